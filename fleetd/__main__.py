@@ -1,0 +1,3 @@
+from fleetd.cli import main
+
+main()

@@ -1,0 +1,421 @@
+"""The lease store: every DynamoDB operation of the lease protocol (SPEC §3).
+
+Ownership of a connection changes only through conditional UpdateItem on the
+connections table; GSI reads (``by_state_expiry``, ``by_expiry``, ``by_owner``) only
+nominate candidates, never decide.  Callers get an :class:`Outcome`, not botocore
+exceptions:
+
+* ``WON``       — the write happened (or, after an ambiguous failure, provably had);
+* ``LOST``      — a condition failed: someone else owns it, or the session is expired;
+* ``RETRYABLE`` — throttling, 5xx, timeouts: try again later, nothing is known to have changed;
+* ``FATAL``     — credentials, missing tables, malformed requests: retrying will not help.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import random
+import socket
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from fleetd.aws import error_code
+from fleetd.clock import Clock
+from fleetd.config import AwsConfig, LeaseConfig
+from fleetd.schema import EXPIRY_INDEX, HELD_BY_SESSION, OWNER_INDEX, SESSION_KIND, STATE_EXPIRY_INDEX
+
+STARTED = "STARTED"
+STOPPED = "STOPPED"
+BATCH_GET_MAX = 100
+SESSION_TTL_BACKSTOP_S = 7 * 24 * 3600  # DynamoDB TTL removes long-dead sessions' leftovers
+
+
+class Outcome(enum.Enum):
+    WON = "won"
+    LOST = "lost"
+    RETRYABLE = "retryable"
+    FATAL = "fatal"
+
+
+_LOST_CODES = frozenset({"ConditionalCheckFailedException"})
+_FATAL_CODES = frozenset({
+    "ResourceNotFoundException", "AccessDeniedException", "UnrecognizedClientException",
+    "InvalidSignatureException", "ValidationException", "ExpiredTokenException",
+    "MissingAuthenticationTokenException", "SerializationException", "IncompleteSignatureException",
+})
+
+
+def classify(exc: BaseException) -> Outcome:
+    """Map an exception from an AWS call to what the caller should do."""
+    code = error_code(exc)
+    if code in _LOST_CODES:
+        return Outcome.LOST
+    if code in _FATAL_CODES:
+        return Outcome.FATAL
+    # Throttling, 5xx, timeouts, connection errors and anything unknown: try again.
+    return Outcome.RETRYABLE
+
+
+def _n(value: int) -> dict[str, str]:
+    return {"N": str(value)}
+
+
+def _s(value: str) -> dict[str, str]:
+    return {"S": value}
+
+
+def _num(item: dict[str, Any], name: str, default: int = 0) -> int:
+    raw = item.get(name, {}).get("N")
+    return default if raw is None else int(raw)
+
+
+def _str(item: dict[str, Any], name: str) -> str:
+    return str(item.get(name, {}).get("S", ""))
+
+
+class BadItem(ValueError):
+    """A connection item whose attributes cannot be interpreted."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConnItem:
+    """The parts of a connection item a shard needs."""
+
+    connection_id: str
+    ws_url: str
+    desired_state: str
+    lease_owner: str
+    lease_epoch: int
+    lease_expires_at_ms: int
+    last_seq: int
+
+    @classmethod
+    def parse(cls, item: dict[str, Any]) -> ConnItem:
+        try:
+            return cls(
+                connection_id=_str(item, "connection_id"),
+                ws_url=_str(item, "ws_url"),
+                desired_state=_str(item, "desired_state"),
+                lease_owner=_str(item, "lease_owner"),
+                lease_epoch=_num(item, "lease_epoch"),
+                lease_expires_at_ms=_num(item, "lease_expires_at_ms"),
+                last_seq=_num(item, "last_seq"),
+            )
+        except (ValueError, AttributeError, TypeError) as e:
+            raise BadItem(f"connection item {item.get('connection_id')!r}: {e}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimResult:
+    outcome: Outcome
+    item: ConnItem | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    """What a shard records about itself in its session item."""
+
+    session_id: str
+    task_id: str
+    shard: int
+    capacity: int
+    host: str = socket.gethostname()
+    pid: int = 0
+
+
+RequestHook = Callable[[str, Outcome], None]
+
+
+def _no_hook(op: str, outcome: Outcome) -> None:
+    pass
+
+
+class LeaseStore:
+    """Lease operations over one aiobotocore DynamoDB client.
+
+    Pure constructor; every method is one logical operation and reports each
+    DynamoDB request to ``on_request(op, outcome)`` for metrics.
+    """
+
+    def __init__(self, ddb: Any, aws: AwsConfig, lease: LeaseConfig, clock: Clock,
+                 on_request: RequestHook = _no_hook) -> None:
+        self.ddb = ddb
+        self.conns = aws.connections_table
+        self.sessions = aws.sessions_table
+        self.lease = lease
+        self.clock = clock
+        self.on_request = on_request
+        self.ttl_ms = int(lease.lease_ttl_s * 1000)
+        self.skew_ms = int(lease.safety_margin_s * 1000)
+
+    async def _call(self, op: str, **kwargs: Any) -> dict[str, Any]:
+        """One DynamoDB request, reported to the hook; exceptions propagate."""
+        method = getattr(self.ddb, _SNAKE[op])
+        try:
+            resp: dict[str, Any] = await method(**kwargs)
+        except Exception as e:
+            self.on_request(op, classify(e))
+            raise
+        self.on_request(op, Outcome.WON)
+        return resp
+
+    async def _write(self, op: str, **kwargs: Any) -> tuple[Outcome, dict[str, Any]]:
+        try:
+            return Outcome.WON, await self._call(op, **kwargs)
+        except Exception as e:
+            return classify(e), {"error": e}
+
+    # ----- connection items -------------------------------------------------------------------------
+
+    def _claim_expiry(self) -> int:
+        if self.lease.lease_mode == "session":
+            return HELD_BY_SESSION
+        return self.clock.now_ms() + self.ttl_ms
+
+    async def claim(self, connection_id: str, me: str, dead_owner: str | None = None) -> ClaimResult:
+        """Take a free/expired item, or one owned by ``dead_owner`` (a confirmed-dead session)."""
+        now = self.clock.now_ms()
+        cond = "attribute_not_exists(lease_expires_at_ms) OR lease_expires_at_ms < :t"
+        values = {":started": _s(STARTED), ":t": _n(now - self.skew_ms), ":me": _s(me),
+                  ":exp": _n(self._claim_expiry()), ":one": _n(1), ":now": _n(now)}
+        if dead_owner:
+            cond += " OR lease_owner = :dead"
+            values[":dead"] = _s(dead_owner)
+        outcome, resp = await self._write(
+            "UpdateItem",
+            TableName=self.conns,
+            Key={"connection_id": _s(connection_id)},
+            UpdateExpression="SET lease_owner = :me, lease_expires_at_ms = :exp, updated_at_ms = :now "
+                             "ADD lease_epoch :one",
+            ConditionExpression=f"desired_state = :started AND ({cond})",
+            ExpressionAttributeValues=values,
+            ReturnValues="ALL_NEW",
+        )
+        if outcome is Outcome.WON:
+            return self._claimed(resp["Attributes"])
+        if outcome is Outcome.LOST and not _was_retried(resp):
+            return ClaimResult(Outcome.LOST)
+        # The SDK retried (or gave up): our first attempt may have succeeded with its answer lost.
+        return await self._check_claim(connection_id, me, outcome, resp)
+
+    def _claimed(self, attrs: dict[str, Any]) -> ClaimResult:
+        try:
+            return ClaimResult(Outcome.WON, ConnItem.parse(attrs))
+        except BadItem as e:
+            return ClaimResult(Outcome.WON, None, str(e))
+
+    async def _check_claim(self, connection_id: str, me: str, outcome: Outcome,
+                           resp: dict[str, Any]) -> ClaimResult:
+        item = await self.get(connection_id)
+        if item is not None and item.lease_owner == me and item.lease_expires_at_ms >= self.clock.now_ms():
+            return ClaimResult(Outcome.WON, item, "ambiguous claim confirmed by consistent read")
+        return ClaimResult(outcome, None, str(resp.get("error", "")))
+
+    async def get(self, connection_id: str) -> ConnItem | None:
+        """Consistent read of one connection item (None if absent or unreadable)."""
+        try:
+            resp = await self._call("GetItem", TableName=self.conns, ConsistentRead=True,
+                                    Key={"connection_id": _s(connection_id)})
+        except Exception:
+            return None
+        return ConnItem.parse(resp["Item"]) if "Item" in resp else None
+
+    async def release(self, connection_id: str, me: str, epoch: int, last_seq: int) -> Outcome:
+        """Give the item back (free now), recording the final ``last_seq``."""
+        outcome, _ = await self._write(
+            "UpdateItem",
+            TableName=self.conns,
+            Key={"connection_id": _s(connection_id)},
+            UpdateExpression="SET lease_expires_at_ms = :zero, last_seq = :seq, updated_at_ms = :now "
+                             "REMOVE lease_owner",
+            ConditionExpression="lease_owner = :me AND lease_epoch = :epoch",
+            ExpressionAttributeValues={":zero": _n(0), ":seq": _n(last_seq), ":me": _s(me),
+                                       ":epoch": _n(epoch), ":now": _n(self.clock.now_ms())},
+        )
+        return outcome
+
+    async def renew_item(self, connection_id: str, me: str, epoch: int) -> Outcome:
+        """Item mode: push one item's expiry out by the TTL."""
+        outcome, _ = await self._write(
+            "UpdateItem",
+            TableName=self.conns,
+            Key={"connection_id": _s(connection_id)},
+            UpdateExpression="SET lease_expires_at_ms = :exp",
+            ConditionExpression="lease_owner = :me AND lease_epoch = :epoch",
+            ExpressionAttributeValues={":exp": _n(self.clock.now_ms() + self.ttl_ms), ":me": _s(me),
+                                       ":epoch": _n(epoch)},
+        )
+        return outcome
+
+    async def checkpoint(self, connection_id: str, me: str, epoch: int, last_seq: int) -> Outcome:
+        """Record ``last_seq`` while still holding the lease."""
+        outcome, _ = await self._write(
+            "UpdateItem",
+            TableName=self.conns,
+            Key={"connection_id": _s(connection_id)},
+            UpdateExpression="SET last_seq = :seq",
+            ConditionExpression="lease_owner = :me AND lease_epoch = :epoch",
+            ExpressionAttributeValues={":seq": _n(last_seq), ":me": _s(me), ":epoch": _n(epoch)},
+        )
+        return outcome
+
+    async def free_items(self, limit: int) -> list[str]:
+        """Ids of STARTED items that are free or whose item lease expired (GSI: candidates only)."""
+        values = {":started": _s(STARTED), ":t": _n(self.clock.now_ms() - self.skew_ms)}
+        return [k["connection_id"]["S"] async for k in self._query(
+            limit, TableName=self.conns, IndexName=STATE_EXPIRY_INDEX,
+            KeyConditionExpression="desired_state = :started AND lease_expires_at_ms < :t",
+            ExpressionAttributeValues=values)]
+
+    async def items_of(self, owner: str, limit: int = 1_000_000) -> list[str]:
+        """Ids of the items whose ``lease_owner`` is ``owner`` (GSI: candidates only)."""
+        return [k["connection_id"]["S"] async for k in self._query(
+            limit, TableName=self.conns, IndexName=OWNER_INDEX,
+            KeyConditionExpression="lease_owner = :o", ExpressionAttributeValues={":o": _s(owner)})]
+
+    async def _query(self, limit: int, **kwargs: Any) -> AsyncIterator[dict[str, Any]]:
+        """Yield up to ``limit`` keys over every page of a query."""
+        start: dict[str, Any] | None = None
+        count = 0
+        while count < limit:
+            page_kwargs = dict(kwargs, Limit=min(1000, limit - count))
+            if start:
+                page_kwargs["ExclusiveStartKey"] = start
+            resp = await self._call("Query", **page_kwargs)
+            for item in resp.get("Items", []):
+                count += 1
+                yield item
+            start = resp.get("LastEvaluatedKey")
+            if not start:
+                return
+
+    async def desired_states(self, ids: Iterable[str], max_wait_s: float = 10.0) -> dict[str, ConnItem | None]:
+        """Current state of each id via BatchGetItem (100 keys a call); None for a missing item."""
+        id_list = list(dict.fromkeys(ids))
+        chunks = [id_list[i:i + BATCH_GET_MAX] for i in range(0, len(id_list), BATCH_GET_MAX)]
+        found: dict[str, ConnItem | None] = dict.fromkeys(id_list)
+        for part in await asyncio.gather(*(self._batch_get(c, max_wait_s) for c in chunks)):
+            found.update(part)
+        return found
+
+    async def _batch_get(self, ids: list[str], max_wait_s: float) -> dict[str, ConnItem]:
+        keys: list[dict[str, Any]] = [{"connection_id": _s(i)} for i in ids]
+        out: dict[str, ConnItem] = {}
+        delay, deadline = 0.05, self.clock.monotonic() + max_wait_s
+        while keys:
+            resp = await self._call("BatchGetItem", RequestItems={self.conns: {
+                "Keys": keys,
+                "ProjectionExpression": "connection_id, desired_state, lease_owner, lease_epoch, "
+                                        "lease_expires_at_ms, last_seq, ws_url"}})
+            for raw in resp.get("Responses", {}).get(self.conns, []):
+                try:
+                    item = ConnItem.parse(raw)
+                except BadItem:
+                    continue
+                out[item.connection_id] = item
+            keys = resp.get("UnprocessedKeys", {}).get(self.conns, {}).get("Keys", [])
+            if keys:
+                if self.clock.monotonic() > deadline:
+                    raise TimeoutError(f"{len(keys)} keys still unprocessed after {max_wait_s} s")
+                await asyncio.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 2.0)
+        return out
+
+    # ----- sessions ----------------------------------------------------------------------------------
+
+    async def create_session(self, info: SessionInfo) -> Outcome:
+        now = self.clock.now_ms()
+        expires = now + self.ttl_ms
+        outcome, _ = await self._write(
+            "PutItem",
+            TableName=self.sessions,
+            Item={"session_id": _s(info.session_id), "kind": _s(SESSION_KIND), "expires_at_ms": _n(expires),
+                  "task_id": _s(info.task_id), "shard": _n(info.shard), "host": _s(info.host),
+                  "pid": _n(info.pid), "started_at_ms": _n(now), "capacity": _n(info.capacity),
+                  "held": _n(0), "draining": {"BOOL": False},
+                  "ttl": _n(expires // 1000 + SESSION_TTL_BACKSTOP_S)},
+            ConditionExpression="attribute_not_exists(session_id)",
+        )
+        return outcome
+
+    async def renew_session(self, session_id: str, held: int, draining: bool = False) -> tuple[Outcome, int]:
+        """Extend a live session; an expired one can never come back (condition on now)."""
+        now = self.clock.now_ms()
+        expires = now + self.ttl_ms
+        outcome, _ = await self._write(
+            "UpdateItem",
+            TableName=self.sessions,
+            Key={"session_id": _s(session_id)},
+            UpdateExpression="SET expires_at_ms = :exp, held = :held, draining = :dr, #ttl = :ttl",
+            ConditionExpression="expires_at_ms >= :now",
+            ExpressionAttributeNames={"#ttl": "ttl"},
+            ExpressionAttributeValues={":exp": _n(expires), ":now": _n(now), ":held": _n(held),
+                                       ":dr": {"BOOL": draining},
+                                       ":ttl": _n(expires // 1000 + SESSION_TTL_BACKSTOP_S)},
+        )
+        return outcome, expires
+
+    async def expire_session(self, session_id: str) -> Outcome:
+        """End a session now (graceful end, or the supervisor burying a crashed shard)."""
+        outcome, _ = await self._write(
+            "UpdateItem",
+            TableName=self.sessions,
+            Key={"session_id": _s(session_id)},
+            UpdateExpression="SET expires_at_ms = :zero",
+            ConditionExpression="attribute_exists(session_id)",
+            ExpressionAttributeValues={":zero": _n(0)},
+        )
+        return outcome
+
+    async def expired_sessions(self, limit: int = 1000) -> list[str]:
+        """Candidate dead sessions from ``by_expiry`` (eventually consistent: confirm before use)."""
+        values = {":k": _s(SESSION_KIND), ":t": _n(self.clock.now_ms() - self.skew_ms)}
+        return [k["session_id"]["S"] async for k in self._query(
+            limit, TableName=self.sessions, IndexName=EXPIRY_INDEX,
+            KeyConditionExpression="kind = :k AND expires_at_ms < :t", ExpressionAttributeValues=values)]
+
+    async def session_is_dead(self, session_id: str) -> bool:
+        """Consistent read: missing or expired beyond the skew.  Final, since expiry is permanent."""
+        resp = await self._call("GetItem", TableName=self.sessions, ConsistentRead=True,
+                                Key={"session_id": _s(session_id)})
+        item = resp.get("Item")
+        return item is None or _num(item, "expires_at_ms") < self.clock.now_ms() - self.skew_ms
+
+    async def delete_dead_session(self, session_id: str) -> Outcome:
+        outcome, _ = await self._write(
+            "DeleteItem",
+            TableName=self.sessions,
+            Key={"session_id": _s(session_id)},
+            ConditionExpression="expires_at_ms < :t",
+            ExpressionAttributeValues={":t": _n(self.clock.now_ms() - self.skew_ms)},
+        )
+        return outcome
+
+    async def list_sessions(self) -> list[dict[str, Any]]:
+        """Every session item (for ``ctl sessions``; a scan, so not for the hot path)."""
+        items: list[dict[str, Any]] = []
+        start: dict[str, Any] | None = None
+        while True:
+            kwargs: dict[str, Any] = {"TableName": self.sessions}
+            if start:
+                kwargs["ExclusiveStartKey"] = start
+            resp = await self._call("Scan", **kwargs)
+            items += resp.get("Items", [])
+            start = resp.get("LastEvaluatedKey")
+            if not start:
+                return items
+
+
+def _was_retried(resp: dict[str, Any]) -> bool:
+    err = resp.get("error")
+    meta = getattr(err, "response", {}).get("ResponseMetadata", {}) if err is not None else {}
+    return int(meta.get("RetryAttempts", 0)) > 0
+
+
+_SNAKE = {
+    "UpdateItem": "update_item", "GetItem": "get_item", "PutItem": "put_item", "DeleteItem": "delete_item",
+    "Query": "query", "Scan": "scan", "BatchGetItem": "batch_get_item", "BatchWriteItem": "batch_write_item",
+}

@@ -1,0 +1,45 @@
+"""Shared fixtures: one local AWS stack per test session, fresh tables per test."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fleetd import config
+from fleetd.devstack import DevStack
+from tests.helpers import arun, init_tables
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevStack]:
+    """dynalite + moto server for the whole run; their env is exported to this process."""
+    log_dir = Path(tmp_path_factory.mktemp("devstack"))
+    with DevStack(log_dir=log_dir) as s:
+        saved = {k: os.environ.get(k) for k in s.env()}
+        s.apply_env()
+        yield s
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture
+def cfg(stack: DevStack) -> config.Config:
+    """A config whose tables and queue are unique to this test, created with `init`."""
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    c = config.replace(
+        config.load(env={}),
+        connections_table=f"{prefix}-connections",
+        sessions_table=f"{prefix}-sessions",
+        messages_table=f"{prefix}-messages",
+        hints_queue=f"{prefix}-hints",
+        allowed_schemes=("ws", "wss"),
+    )
+    arun(init_tables(c))
+    return c

@@ -1,0 +1,33 @@
+"""Small helpers for tests that drive async code against the local stack."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Coroutine
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any, TypeVar
+
+import uvloop
+
+from fleetd import schema
+from fleetd.aws import Clients, open_clients
+from fleetd.config import Config
+
+T = TypeVar("T")
+
+
+def arun(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine on a fresh uvloop event loop (as a shard does)."""
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
+@asynccontextmanager
+async def clients(cfg: Config) -> AsyncIterator[Clients]:
+    async with AsyncExitStack() as stack:
+        yield await open_clients(stack, cfg.aws)
+
+
+async def init_tables(cfg: Config) -> list[str]:
+    async with clients(cfg) as c:
+        return await schema.init(c.dynamodb, c.sqs, cfg.aws)
