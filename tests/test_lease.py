@@ -1,0 +1,175 @@
+"""The lease store against the real local DynamoDB (dynalite)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from fleetd.clock import ManualClock, SystemClock
+from fleetd.config import Config, replace
+from fleetd.lease import STARTED, LeaseStore, Outcome, SessionInfo
+from fleetd.schema import HELD_BY_SESSION
+from tests.helpers import arun, clients
+
+
+async def put_item(ddb: Any, cfg: Config, cid: str, **extra: dict[str, str]) -> None:
+    item = {"connection_id": {"S": cid}, "desired_state": {"S": STARTED},
+            "ws_url": {"S": f"ws://127.0.0.1:1/stream/{cid}"}, "lease_expires_at_ms": {"N": "0"},
+            "lease_epoch": {"N": "0"}, "last_seq": {"N": "0"}, **extra}
+    await ddb.put_item(TableName=cfg.aws.connections_table, Item=item)
+
+
+def store(ddb: Any, cfg: Config, clock: Any = None) -> LeaseStore:
+    return LeaseStore(ddb, cfg.aws, cfg.lease, clock or SystemClock())
+
+
+@pytest.mark.parametrize("mode", ["session", "item"])
+def test_exactly_one_of_twenty_claimers_wins(cfg: Config, mode: str) -> None:
+    cfg = replace(cfg, lease_mode=mode)
+
+    async def main() -> None:
+        async with clients(cfg) as c:
+            leases = store(c.dynamodb, cfg)
+            for trial in range(50):
+                cid = f"c{trial}"
+                await put_item(c.dynamodb, cfg, cid, lease_epoch={"N": str(trial)})
+                results = await asyncio.gather(*(leases.claim(cid, f"s{i}") for i in range(20)))
+                winners = [r for r in results if r.outcome is Outcome.WON]
+                assert len(winners) == 1, f"trial {trial}: {[r.outcome for r in results]}"
+                assert {r.outcome for r in results} <= {Outcome.WON, Outcome.LOST}
+                item = await leases.get(cid)
+                assert item is not None and winners[0].item is not None
+                assert item.lease_epoch == trial + 1 == winners[0].item.lease_epoch
+                assert item.lease_owner == winners[0].item.lease_owner
+                if mode == "session":
+                    assert item.lease_expires_at_ms == HELD_BY_SESSION
+
+    arun(main())
+
+
+def test_item_renew_release_and_free_query(cfg: Config) -> None:
+    cfg = replace(cfg, lease_mode="item")
+    clock = ManualClock(now_ms=SystemClock().now_ms())
+
+    async def main() -> None:
+        async with clients(cfg) as c:
+            leases = store(c.dynamodb, cfg, clock)
+            await put_item(c.dynamodb, cfg, "a")
+            assert "a" in await leases.free_items(100)
+            won = await leases.claim("a", "me")
+            assert won.outcome is Outcome.WON and won.item is not None
+            epoch = won.item.lease_epoch
+            assert "a" not in await leases.free_items(100)
+            assert await leases.renew_item("a", "intruder", epoch) is Outcome.LOST
+            assert await leases.renew_item("a", "me", epoch + 1) is Outcome.LOST
+            assert await leases.renew_item("a", "me", epoch) is Outcome.WON
+            assert (await leases.claim("a", "other")).outcome is Outcome.LOST
+            assert await leases.checkpoint("a", "me", epoch, 41) is Outcome.WON
+            assert await leases.release("a", "me", epoch, 42) is Outcome.WON
+            assert await leases.release("a", "me", epoch, 43) is Outcome.LOST  # no longer the owner
+            assert "a" in await leases.free_items(100)
+            again = await leases.claim("a", "other")
+            assert again.outcome is Outcome.WON and again.item is not None
+            assert again.item.last_seq == 42 and again.item.lease_epoch == epoch + 1
+
+    arun(main())
+
+
+def test_expired_item_lease_is_claimable_only_after_ttl_and_skew(cfg: Config) -> None:
+    cfg = replace(cfg, lease_mode="item")
+    clock = ManualClock(now_ms=SystemClock().now_ms())
+
+    async def main() -> None:
+        async with clients(cfg) as c:
+            leases = store(c.dynamodb, cfg, clock)
+            await put_item(c.dynamodb, cfg, "b")
+            assert (await leases.claim("b", "old")).outcome is Outcome.WON
+            clock.advance(cfg.lease.lease_ttl_s)  # expired, but still inside the skew margin
+            assert (await leases.claim("b", "new")).outcome is Outcome.LOST
+            clock.advance(cfg.lease.safety_margin_s + 0.01)
+            assert "b" in await leases.free_items(100)
+            assert (await leases.claim("b", "new")).outcome is Outcome.WON
+
+    arun(main())
+
+
+def test_sessions_cannot_come_back_and_dead_items_move(cfg: Config) -> None:
+    clock = ManualClock(now_ms=SystemClock().now_ms())
+
+    async def main() -> None:
+        async with clients(cfg) as c:
+            leases = store(c.dynamodb, cfg, clock)
+            assert await leases.create_session(SessionInfo("t/0/x", "t", 0, 700)) is Outcome.WON
+            assert await leases.create_session(SessionInfo("t/0/x", "t", 0, 700)) is Outcome.LOST
+            assert (await leases.renew_session("t/0/x", held=1))[0] is Outcome.WON
+            for cid in ("d1", "d2"):
+                await put_item(c.dynamodb, cfg, cid)
+                assert (await leases.claim(cid, "t/0/x")).outcome is Outcome.WON
+            assert sorted(await leases.items_of("t/0/x")) == ["d1", "d2"]
+            assert not await leases.session_is_dead("t/0/x")
+            # A peer cannot take a live session's items...
+            assert (await leases.claim("d1", "peer")).outcome is Outcome.LOST
+            clock.advance(cfg.lease.lease_ttl_s + 0.001)
+            # ...and an expired session can never be renewed.
+            assert (await leases.renew_session("t/0/x", held=2))[0] is Outcome.LOST
+            clock.advance(cfg.lease.safety_margin_s)
+            assert "t/0/x" in await leases.expired_sessions()
+            assert await leases.session_is_dead("t/0/x")
+            for cid in ("d1", "d2"):
+                r = await leases.claim(cid, "peer", dead_owner="t/0/x")
+                assert r.outcome is Outcome.WON and r.item is not None and r.item.lease_owner == "peer"
+            assert await leases.items_of("t/0/x") == []
+            assert await leases.delete_dead_session("t/0/x") is Outcome.WON
+            assert "t/0/x" not in await leases.expired_sessions()
+
+    arun(main())
+
+
+def test_expire_session_makes_it_dead_at_once(cfg: Config) -> None:
+    async def main() -> None:
+        async with clients(cfg) as c:
+            leases = store(c.dynamodb, cfg)
+            await leases.create_session(SessionInfo("t/1/y", "t", 1, 700))
+            assert await leases.expire_session("t/1/y") is Outcome.WON
+            assert await leases.session_is_dead("t/1/y")
+            assert (await leases.renew_session("t/1/y", held=0))[0] is Outcome.LOST
+            assert await leases.expire_session("t/1/nobody") is Outcome.LOST
+
+    arun(main())
+
+
+def test_desired_state_of_250_ids_in_three_calls(cfg: Config) -> None:
+    calls: list[str] = []
+
+    async def main() -> None:
+        async with clients(cfg) as c:
+            leases = LeaseStore(c.dynamodb, cfg.aws, cfg.lease, SystemClock(),
+                                on_request=lambda op, outcome: calls.append(op))
+            for i in range(250):
+                await put_item(c.dynamodb, cfg, f"x{i}")
+            await c.dynamodb.update_item(
+                TableName=cfg.aws.connections_table, Key={"connection_id": {"S": "x7"}},
+                UpdateExpression="SET desired_state = :s", ExpressionAttributeValues={":s": {"S": "STOPPED"}})
+            calls.clear()
+            states = await leases.desired_states([f"x{i}" for i in range(250)] + ["missing"])
+            assert calls.count("BatchGetItem") <= 3
+            assert len(states) == 251 and states["missing"] is None
+            assert all(states[f"x{i}"] is not None for i in range(250))
+            assert states["x7"] is not None and states["x7"].desired_state == "STOPPED"
+            assert sum(1 for s in states.values() if s and s.desired_state == STARTED) == 249
+
+    arun(main())
+
+
+def test_bad_table_is_fatal_not_an_exception(cfg: Config) -> None:
+    broken = replace(cfg, connections_table="no-such-table")
+
+    async def main() -> None:
+        async with clients(broken) as c:
+            leases = store(c.dynamodb, broken)
+            r = await leases.claim("z", "me")
+            assert r.outcome is Outcome.FATAL
+
+    arun(main())
