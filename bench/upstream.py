@@ -320,8 +320,9 @@ class FakeUpstream:
     def inject(self, stream_id: str, kind: InjectKind, payload: bytes | None = None) -> int:
         """Send one bad frame to the clients of ``stream_id``; returns how many clients got it.
 
-        Frames already due are flushed first, so the injected frame arrives after every frame produced
-        before the call.  ``payload`` overrides the generated body (e.g. an oversized frame with a seq).
+        Frames already due are flushed first (unless stalled), so the injected frame arrives after every frame
+        produced before the call.  Injection ignores stall: the test asked for that frame explicitly.
+        ``payload`` overrides the generated body (e.g. an oversized frame that carries a seq).
         """
         if not is_inject_kind(kind):
             raise ValueError(f"unknown inject kind {kind!r}")
@@ -589,7 +590,7 @@ def handle_control(up: FakeUpstream, method: str, target: str) -> tuple[int, dic
         return 400, {"error": f"bad request: {exc}"}
 
 
-async def _serve_control_conn(up: FakeUpstream, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def _control_conn(up: FakeUpstream, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     try:
         async with asyncio.timeout(10):
             head = await reader.readuntil(b"\r\n\r\n")
@@ -621,7 +622,7 @@ async def start_control_server(up: FakeUpstream, host: str, port: int) -> asynci
     """Tiny HTTP/1.0-style control server (one request per connection)."""
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _serve_control_conn(up, reader, writer)
+        await _control_conn(up, reader, writer)
 
     return await asyncio.start_server(handler, host, port)
 
@@ -630,7 +631,7 @@ async def start_control_server(up: FakeUpstream, host: str, port: int) -> asynci
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.upstream", description="Fake upstream WebSocket server.")
+    p = argparse.ArgumentParser(prog="python -m bench.upstream", description="Fake upstream WebSocket server")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8765, help="0 picks a free port (printed)")
     p.add_argument("--rate", type=float, default=1.0, help="frames per second per stream")
