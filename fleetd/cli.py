@@ -13,7 +13,10 @@ from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from typing import NoReturn
 
+from botocore.exceptions import BotoCoreError, ClientError
+
 from fleetd import config, exits
+from fleetd.aws import Clients
 
 
 class UsageError(Exception):
@@ -23,7 +26,7 @@ class UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         # argparse prints usage plus the message; we keep the one-line contract.
-        raise UsageError(f"{self.prog}: {message}")
+        raise UsageError(f"{self.prog.removeprefix('fleetd ') if self.prog != 'fleetd' else 'fleetd'}: {message}")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _add_runtime_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_runtime_parsers(sub: argparse._SubParsersAction[_Parser]) -> None:
     shard = sub.add_parser("shard", help="run one shard in the foreground (tests, debugging)")
     shard.add_argument("--index", type=int, default=0, help="shard number within the task")
     config.add_flags(shard)
@@ -60,21 +63,30 @@ def load_config(args: argparse.Namespace) -> config.Config:
 
 
 async def _init(cfg: config.Config, check_only: bool) -> int:
-    from fleetd import schema
     from fleetd.aws import open_clients
 
-    async with AsyncExitStack() as stack:
-        clients = await open_clients(stack, cfg.aws)
-        if check_only:
-            problems = await schema.check(clients.dynamodb, clients.sqs, cfg.aws)
-            for line in problems:
-                print(line)
-            if not problems:
-                print("schema OK")
-            return exits.FAILURE if problems else exits.OK
+    try:
+        async with AsyncExitStack() as stack:
+            clients = await open_clients(stack, cfg.aws)
+            return await _init_with(clients, cfg, check_only)
+    except (BotoCoreError, ClientError) as e:
+        print(f"fleetd: error: init failed: {e}", file=sys.stderr)
+        return exits.FAILURE
+
+
+async def _init_with(clients: Clients, cfg: config.Config, check_only: bool) -> int:
+    from fleetd import schema
+
+    if not check_only:
         for line in await schema.init(clients.dynamodb, clients.sqs, cfg.aws):
             print(line)
         return exits.OK
+    problems = await schema.check(clients.dynamodb, clients.sqs, cfg.aws)
+    for line in problems:
+        print(line)
+    if not problems:
+        print("schema OK")
+    return exits.FAILURE if problems else exits.OK
 
 
 def _dispatch(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import tomllib
 import types
@@ -212,7 +213,10 @@ def _convert(tp: Any, raw: Any) -> Any:
     if tp is float:
         if isinstance(raw, bool):
             raise ValueError(f"expected a number, got {raw!r}")
-        return float(raw)
+        value = float(raw)
+        if not math.isfinite(value):
+            raise ValueError(f"expected a finite number, got {raw!r}")
+        return value
     if tp is str:
         if not isinstance(raw, str):
             raise ValueError(f"expected a string, got {raw!r}")
@@ -230,6 +234,8 @@ def _read_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8: {e.reason} at byte {e.start}") from None
     flat: dict[str, Any] = {}
     groups = {g for g, _ in GROUPS}
     for key, value in data.items():
@@ -245,7 +251,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     grp = parser.add_argument_group("configuration (also FLEETD_<NAME> env vars or a TOML file)")
     grp.add_argument("--config", metavar="FILE", default=None, help="TOML file (env: FLEETD_CONFIG)")
     for s in settings():
-        grp.add_argument(s.flag, dest=f"cfg_{s.name}", default=None, metavar="V", help=s.doc)
+        grp.add_argument(s.flag, dest=f"cfg_{s.name}", default=None, metavar="V", help=s.doc.replace("%", "%%"))
 
 
 def load(
@@ -315,6 +321,9 @@ def _checks(cfg: Config) -> Iterator[tuple[bool, str]]:
     yield 0 < up.backoff_min_s <= up.backoff_max_s, "need 0 < backoff_min_s <= backoff_max_s"
     yield up.handshake_timeout_s > 0 and up.ping_idle_s > 0 and up.ping_reply_s > 0, (
         "handshake_timeout_s, ping_idle_s and ping_reply_s must be > 0"
+    )
+    yield up.ping_reply_s <= up.ping_idle_s, (
+        f"ping_reply_s ({up.ping_reply_s}) must not exceed ping_idle_s ({up.ping_idle_s})"
     )
     yield up.read_buffer_bytes >= 256, "read_buffer_bytes must be >= 256"
     yield sk.sink_linger_ms >= 0 and sk.sink_flushers >= 1, "sink_linger_ms >= 0 and sink_flushers >= 1"
