@@ -89,7 +89,7 @@ class ConnItem:
     lease_owner: str
     lease_epoch: int
     lease_expires_at_ms: int
-    last_seq: int
+    last_seq: int  # -1 when the item has never recorded one (no resume point known)
 
     @classmethod
     def parse(cls, item: dict[str, Any]) -> ConnItem:
@@ -101,7 +101,7 @@ class ConnItem:
                 lease_owner=_str(item, "lease_owner"),
                 lease_epoch=_num(item, "lease_epoch"),
                 lease_expires_at_ms=_num(item, "lease_expires_at_ms"),
-                last_seq=_num(item, "last_seq"),
+                last_seq=_num(item, "last_seq", -1),
             )
         except (ValueError, AttributeError, TypeError) as e:
             raise BadItem(f"connection item {item.get('connection_id')!r}: {e}") from None

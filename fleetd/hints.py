@@ -1,0 +1,103 @@
+"""START hints over SQS (SPEC §2, §3).
+
+A hint only says "this connection may be free now"; it is never ownership — the
+receiver must still win the conditional claim.  Hints make a released connection
+reappear on a peer in about a second instead of at the next reconcile.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from fleetd.aws import error_code
+from fleetd.stats import Stats
+
+log = logging.getLogger("fleetd.hints")
+SEND_BATCH_MAX = 10  # SendMessageBatch limit
+
+
+@dataclass(frozen=True, slots=True)
+class Hint:
+    connection_id: str
+    receipt: str
+
+
+def start_body(connection_id: str) -> str:
+    return orjson.dumps({"type": "START", "connection_id": connection_id}).decode()
+
+
+class Hints:
+    """Receive, acknowledge and send START hints on one queue."""
+
+    def __init__(self, sqs: Any, queue_name: str, wait_s: int, stats: Stats) -> None:
+        self.sqs = sqs
+        self.queue_name = queue_name
+        self.wait_s = wait_s
+        self.stats = stats
+        self.url = ""
+
+    async def resolve(self) -> None:
+        """Look the queue URL up once (raises if the queue does not exist)."""
+        self.url = (await self.sqs.get_queue_url(QueueName=self.queue_name))["QueueUrl"]
+
+    async def receive(self, max_messages: int) -> list[Hint]:
+        """One long poll; malformed messages are counted, deleted and skipped."""
+        resp = await self.sqs.receive_message(QueueUrl=self.url, MaxNumberOfMessages=max(1, min(10, max_messages)),
+                                              WaitTimeSeconds=self.wait_s)
+        hints: list[Hint] = []
+        for msg in resp.get("Messages", []):
+            cid = _parse(msg.get("Body", ""))
+            if cid is None:
+                self.stats.inc("hints_total", kind="malformed")
+                log.warning("malformed hint dropped", extra={"body": str(msg.get("Body", ""))[:200]})
+                await self.ack([msg["ReceiptHandle"]])
+                continue
+            self.stats.inc("hints_total", kind="received")
+            hints.append(Hint(cid, msg["ReceiptHandle"]))
+        return hints
+
+    async def ack(self, receipts: Iterable[str]) -> None:
+        entries = [{"Id": str(i), "ReceiptHandle": r} for i, r in enumerate(receipts)]
+        for i in range(0, len(entries), SEND_BATCH_MAX):
+            await self.sqs.delete_message_batch(QueueUrl=self.url, Entries=entries[i:i + SEND_BATCH_MAX])
+
+    async def give_back(self, receipts: Iterable[str]) -> None:
+        """Make hints we cannot take visible to peers at once (we are full)."""
+        entries = [{"Id": str(i), "ReceiptHandle": r, "VisibilityTimeout": 0} for i, r in enumerate(receipts)]
+        for i in range(0, len(entries), SEND_BATCH_MAX):
+            await self.sqs.change_message_visibility_batch(QueueUrl=self.url, Entries=entries[i:i + SEND_BATCH_MAX])
+        self.stats.inc("hints_total", float(len(entries)), kind="returned")
+
+    async def send_start(self, connection_ids: Iterable[str]) -> int:
+        """Send START hints in batches; returns how many were accepted (failures are logged)."""
+        ids = list(connection_ids)
+        sent = 0
+        for i in range(0, len(ids), SEND_BATCH_MAX):
+            chunk = ids[i:i + SEND_BATCH_MAX]
+            entries = [{"Id": str(j), "MessageBody": start_body(cid)} for j, cid in enumerate(chunk)]
+            try:
+                resp = await self.sqs.send_message_batch(QueueUrl=self.url, Entries=entries)
+            except Exception as e:
+                log.warning("sending START hints failed", extra={"count": len(chunk), "code": error_code(e)})
+                self.stats.inc("hints_total", float(len(chunk)), kind="send_failed")
+                continue
+            ok = len(resp.get("Successful", []))
+            sent += ok
+            self.stats.inc("hints_total", float(ok), kind="sent")
+        return sent
+
+
+def _parse(body: str) -> str | None:
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or obj.get("type") != "START":
+        return None
+    cid = obj.get("connection_id")
+    return cid if isinstance(cid, str) and cid else None

@@ -1,0 +1,636 @@
+"""One shard: one process, one uvloop event loop, up to ``max_connections_per_shard`` streams.
+
+The shard owns a session lease (session mode) or its item leases (item mode), the
+upstream connections it holds, the sink for their messages, and its share of the
+fleet loops.  Every long-lived routine is a ``*_loop`` of the form ``while not
+stopping``, all in one TaskGroup; shutdown is a sequence of timed phases
+(STYLE.md items 4-7):
+
+    stop taking work → close upstreams → flush the sink → release leases with their
+    final ``last_seq`` → START hints → end the session → close the AWS clients.
+
+Safety rule (SPEC §3): a connection is fenced — socket dropped, nothing more
+written — before anyone else may claim it: at ``renewal sent + TTL − margin`` on
+the monotonic clock if no renewal has succeeded since.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import signal
+import socket
+import threading
+import uuid
+from collections.abc import Awaitable, Callable, Iterable
+from contextlib import AsyncExitStack, suppress
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvloop
+
+from fleetd import exits, logs
+from fleetd.aws import error_code, open_clients
+from fleetd.clock import Clock, SystemClock
+from fleetd.config import Config
+from fleetd.hints import Hints
+from fleetd.lease import STOPPED, ClaimResult, ConnItem, LeaseStore, Outcome, SessionInfo
+from fleetd.sink import Cursor, Sink
+from fleetd.stats import Stats
+from fleetd.upstream import Connection, validate_url
+
+log = logging.getLogger("fleetd.shard")
+Reporter = Callable[[dict[str, Any]], None]
+_SELF_ADOPT_EVERY = 12  # reconcile rounds between scans for items we own but do not hold
+
+
+class BootError(Exception):
+    """The shard cannot start (missing tables or queue, no credentials): exit BOOT_ERROR."""
+
+
+@dataclass(slots=True)
+class Held:
+    """A connection this shard owns."""
+
+    item: ConnItem
+    epoch: int
+    cursor: Cursor
+    conn: Connection | None  # None: parked (its ws_url is invalid)
+    deadline: float = 0.0  # item mode: monotonic time at which we must fence it
+    releasing: bool = False
+
+
+@dataclass(slots=True)
+class SessionState:
+    session_id: str = ""
+    deadline: float = 0.0  # monotonic fence deadline of the whole session
+    generation: int = 0
+    previous: list[str] = field(default_factory=list)  # our own abandoned sessions, to adopt from
+
+
+async def _wait(event: asyncio.Event, timeout_s: float) -> bool:
+    """Sleep up to ``timeout_s``; True if ``event`` was set meanwhile."""
+    try:
+        await asyncio.wait_for(event.wait(), max(0.0, timeout_s))
+    except TimeoutError:
+        return event.is_set()
+    return True
+
+
+async def _bounded(items: Iterable[Any], limit: int, fn: Callable[[Any], Awaitable[Any]]) -> list[Any]:
+    sem = asyncio.Semaphore(limit)
+
+    async def one(x: Any) -> Any:
+        async with sem:
+            return await fn(x)
+
+    return list(await asyncio.gather(*(one(x) for x in items)))
+
+
+class Shard:
+    """A shard's state and loops (constructor is pure: no loop, client, socket or task)."""
+
+    def __init__(self, cfg: Config, index: int = 0, clock: Clock | None = None,
+                 reporter: Reporter | None = None, predecessor: str | None = None) -> None:
+        self.cfg = cfg
+        self.index = index
+        self.clock = clock or SystemClock(cfg.lease.clock_offset_ms)
+        self.task_id = cfg.runtime.task_id or socket.gethostname()
+        self.reporter = reporter
+        self.predecessor = predecessor  # a crashed shard's session, handed over by the supervisor
+        self.stats = Stats()
+        self.held: dict[str, Held] = {}
+        self.claiming: set[str] = set()
+        self.session = SessionState()
+        self.capacity = cfg.runtime.max_connections_per_shard
+        self.stopping: asyncio.Event | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.replacing = asyncio.Lock()
+        self.wake_reconcile: asyncio.Event | None = None
+        self.leases: LeaseStore
+        self.sink: Sink
+        self.hints: Hints
+        self.ddb: Any = None
+
+    # ----- entry -------------------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        self.loop = asyncio.get_running_loop()
+        self.stopping = asyncio.Event()
+        self.wake_reconcile = asyncio.Event()
+        self._install_signals()
+        async with AsyncExitStack() as stack:
+            clients = await open_clients(stack, self.cfg.aws)
+            self.ddb = clients.dynamodb
+            self.leases = LeaseStore(self.ddb, self.cfg.aws, self.cfg.lease, self.clock, self._count_request)
+            self.sink = Sink(self.cfg, "", self.stats, self.clock, on_pressure=self._on_pressure)
+            self.hints = Hints(clients.sqs, self.cfg.aws.hints_queue, self.cfg.aws.hint_wait_s, self.stats)
+            try:
+                await self._boot()
+            except BootError as e:
+                log.error("shard cannot boot", extra={"reason": str(e)})
+                return exits.BOOT_ERROR
+            log.info("shard started", extra={"capacity": self.capacity, "mode": self.cfg.lease.lease_mode})
+            async with asyncio.TaskGroup() as tg:
+                for loop in (self._heartbeat_loop, self._fence_loop, self._reconcile_loop, self._hints_loop,
+                             self._desired_loop, self._checkpoint_loop, self._report_loop):
+                    tg.create_task(loop(), name=loop.__name__)
+                tg.create_task(self.sink.run(self.ddb, self.stopping), name="sink")
+            await self._shutdown()
+        return exits.OK
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # an in-process test harness; it stops us with request_stop()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def _on_signal(self, sig: int) -> None:
+        assert self.stopping is not None
+        if self.stopping.is_set():
+            log.warning("second signal: exiting without graceful shutdown")
+            os._exit(128 + sig)
+        log.info("stopping", extra={"signal": signal.Signals(sig).name})
+        self.stopping.set()
+
+    def request_stop(self) -> None:
+        """Thread-safe: begin the graceful shutdown."""
+        if self.stopping is not None and self.loop is not None:
+            self.loop.call_soon_threadsafe(self.stopping.set)
+
+    async def _boot(self) -> None:
+        """Fail fast on what a restart cannot fix, then open our first session."""
+        for name in (self.cfg.aws.connections_table, self.cfg.aws.sessions_table, self.cfg.aws.messages_table):
+            try:
+                await self.ddb.describe_table(TableName=name)
+            except Exception as e:
+                raise BootError(_boot_reason(e, f"table {name}")) from None
+        try:
+            await self.hints.resolve()
+        except Exception as e:
+            raise BootError(_boot_reason(e, f"queue {self.cfg.aws.hints_queue}")) from None
+        if not await self._new_session():
+            raise BootError("could not create a session item")
+        if self.predecessor:
+            self.session.previous.append(self.predecessor)
+
+    # ----- sessions and renewal -----------------------------------------------------------------
+
+    async def _new_session(self) -> bool:
+        sid = f"{self.task_id}/{self.index}/{uuid.uuid4().hex[:12]}"
+        started = self.clock.monotonic()
+        info = SessionInfo(sid, self.task_id, self.index, self.capacity, pid=os.getpid())
+        outcome = await self.leases.create_session(info)
+        if outcome is not Outcome.WON:
+            return False
+        if self.session.session_id:
+            self.session.previous.append(self.session.session_id)
+        self.session.session_id = sid
+        self.session.generation += 1
+        self.session.deadline = started + self.cfg.lease.lease_ttl_s - self.cfg.lease.safety_margin_s
+        self.sink.set_session(sid)
+        logs.set_context(session=sid)
+        log.info("session opened", extra={"session_id": sid})
+        return True
+
+    async def _heartbeat_loop(self) -> None:
+        """Renew every ``heartbeat_s``; after a failure retry sooner (the fence loop guards safety)."""
+        assert self.stopping is not None
+        delay = self.cfg.lease.heartbeat_s
+        while not await _wait(self.stopping, delay):
+            ok = await self._renew()
+            delay = self.cfg.lease.heartbeat_s if ok else min(1.0, self.cfg.lease.heartbeat_s / 4)
+
+    async def _fence_loop(self) -> None:
+        """Watchdog: fence whatever reaches its deadline, however long a renewal call hangs."""
+        assert self.stopping is not None
+        while not await _wait(self.stopping, min(0.25, self._next_deadline() - self.clock.monotonic())):
+            await self._enforce_deadlines()
+
+    def _next_deadline(self) -> float:
+        if self.cfg.lease.lease_mode == "session" or not self.held:
+            return self.session.deadline
+        return min(self.session.deadline, min(h.deadline for h in self.held.values()))
+
+    async def _renew(self) -> bool:
+        ok = await self._renew_session()
+        if self.cfg.lease.lease_mode == "item":
+            ok = await self._renew_items() and ok
+        return ok
+
+    async def _renew_session(self) -> bool:
+        started = self.clock.monotonic()
+        sid = self.session.session_id
+        outcome, _ = await self.leases.renew_session(sid, held=len(self.held), draining=False)
+        self.stats.inc("lease_renewals_total", result=outcome.value)
+        if outcome is Outcome.WON and sid == self.session.session_id:
+            self.session.deadline = started + self.cfg.lease.lease_ttl_s - self.cfg.lease.safety_margin_s
+            return True
+        if outcome is Outcome.LOST:
+            # Our session expired (we were partitioned too long): it can never come back.
+            log.warning("session lost", extra={"session_id": sid})
+            await self._fence_all("session_lost")
+            await self._replace_session()
+        return False
+
+    async def _renew_items(self) -> bool:
+        me = self.session.session_id
+        targets = [(cid, h) for cid, h in self.held.items() if not h.releasing]
+
+        async def renew(entry: tuple[str, Held]) -> bool:
+            cid, h = entry
+            started = self.clock.monotonic()
+            outcome = await self.leases.renew_item(cid, h.item.lease_owner or me, h.epoch)
+            self.stats.inc("lease_renewals_total", result=outcome.value)
+            if outcome is Outcome.WON:
+                h.deadline = started + self.cfg.lease.lease_ttl_s - self.cfg.lease.safety_margin_s
+            elif outcome is Outcome.LOST and self.held.get(cid) is h:
+                self._lose(cid, "renewal_lost")
+            return outcome is Outcome.WON
+
+        results = await _bounded(targets, self.cfg.lease.renew_concurrency, renew)
+        return all(results)
+
+    async def _enforce_deadlines(self) -> None:
+        if self.replacing.locked():
+            return  # a replacement is under way; nothing is held meanwhile
+        now = self.clock.monotonic()
+        if now >= self.session.deadline:
+            if self.held:
+                log.warning("self-fencing: session not renewed in time", extra={"held": len(self.held)})
+                self.stats.inc("self_fence_total")
+                await self._fence_all("self_fence")
+            await self._replace_session()
+            return
+        if self.cfg.lease.lease_mode == "item":
+            for cid in [cid for cid, h in self.held.items() if now >= h.deadline]:
+                self.stats.inc("self_fence_total")
+                self._lose(cid, "self_fence")
+
+    async def _fence_all(self, reason: str) -> None:
+        for cid in list(self.held):
+            self._lose(cid, reason)
+
+    async def _replace_session(self) -> None:
+        """Abandon the current session (best effort: expire it) and open a new one, retrying."""
+        old = self.session.session_id
+        async with self.replacing:
+            if self.session.session_id != old:
+                return  # someone else (heartbeat vs. watchdog) already replaced it
+            await self._abandon(old)
+            await self._open_replacement()
+
+    async def _abandon(self, old: str) -> None:
+        self.session.deadline = 0.0  # no claims under a session we gave up
+        with suppress(TimeoutError):  # DynamoDB unreachable: the session expires on its own
+            await asyncio.wait_for(self.leases.expire_session(old), self.cfg.aws.aws_timeout_s)
+
+    async def _open_replacement(self) -> None:
+        assert self.stopping is not None
+        delay = 0.5
+        while not self.stopping.is_set():
+            if await self._new_session():
+                assert self.wake_reconcile is not None
+                self.wake_reconcile.set()  # reclaim what is still free, including our old items
+                return
+            if await _wait(self.stopping, delay):
+                return
+            delay = min(delay * 2, 5.0)
+
+    def _lose(self, cid: str, reason: str) -> None:
+        """Lease lost or about to expire: fence the stream now, no release."""
+        h = self.held.pop(cid, None)
+        if h is None:
+            return
+        if h.conn is not None:
+            h.conn.fence()
+        else:
+            self.sink.deactivate(h.cursor)
+        self.stats.inc("lease_lost_total", reason=reason)
+        log.info("connection fenced", extra={"connection_id": cid, "reason": reason})
+
+    # ----- claiming ---------------------------------------------------------------------------------
+
+    def free_capacity(self) -> int:
+        return self.capacity - len(self.held) - len(self.claiming)
+
+    async def claim(self, cid: str, dead_owner: str | None = None, source: str = "reconcile") -> Outcome:
+        """Try to take one connection and start streaming it."""
+        if cid in self.held or cid in self.claiming or self.free_capacity() <= 0 or not self._may_claim():
+            return Outcome.LOST
+        self.claiming.add(cid)
+        generation = self.session.generation
+        try:
+            result = await self.leases.claim(cid, self.session.session_id, dead_owner)
+        finally:
+            self.claiming.discard(cid)
+        self.stats.inc("lease_claims_total", result=result.outcome.value)
+        if result.outcome is Outcome.WON and not self._may_claim(generation):
+            # The session was given up while the claim was in flight: the item now belongs to a dead
+            # session and is taken over like any other; streaming it here could double-stream.
+            self.stats.inc("lease_claims_orphaned_total")
+            return Outcome.LOST
+        if result.outcome is Outcome.WON:
+            self.stats.inc("reconcile_claims_total" if source == "reconcile" else "hint_claims_total")
+            self._adopt(cid, result)
+        return result.outcome
+
+    def _is_stopping(self) -> bool:
+        return self.stopping is None or self.stopping.is_set()
+
+    def _may_claim(self, generation: int | None = None) -> bool:
+        """Only a live session that is still the current one may take work."""
+        if generation is not None and generation != self.session.generation:
+            return False
+        return not self._is_stopping() and self.clock.monotonic() < self.session.deadline
+
+    def _adopt(self, cid: str, result: ClaimResult) -> None:
+        item = result.item
+        if item is None:
+            # Claimed but unreadable: hold it parked so it does not bounce around the fleet.
+            self.stats.inc("bad_items_total", reason="unparseable")
+            log.warning("claimed item is unreadable", extra={"connection_id": cid, "error": result.detail})
+            item = ConnItem(cid, "", "STARTED", self.session.session_id, 0, 0, -1)
+        last_seq = item.last_seq if item.last_seq >= 0 else None
+        cursor = self.sink.cursor(cid, item.lease_epoch, max(item.last_seq, 0))
+        held = Held(item, item.lease_epoch, cursor, None,
+                    deadline=self.clock.monotonic() + self.cfg.lease.lease_ttl_s - self.cfg.lease.safety_margin_s)
+        self.held[cid] = held
+        held.conn = self._connect(item, cursor, last_seq)
+
+    def _connect(self, item: ConnItem, cursor: Cursor, last_seq: int | None) -> Connection | None:
+        try:
+            url = validate_url(item.ws_url, self.cfg.upstream)
+        except ValueError as e:
+            self.stats.inc("bad_items_total", reason="bad_url")
+            log.warning("connection parked: bad ws_url", extra={"connection_id": item.connection_id,
+                                                               "error": str(e)})
+            return None
+        conn = Connection(item.connection_id, url, cursor, last_seq, self.sink, self.cfg.upstream,
+                          self.stats, self.clock)
+        conn.start()
+        return conn
+
+    async def _reconcile_loop(self) -> None:
+        assert self.stopping is not None and self.wake_reconcile is not None
+        rounds = 0
+        while not self.stopping.is_set():
+            try:
+                await self._reconcile(rounds)
+            except Exception as e:
+                self.stats.inc("reconcile_errors_total")
+                log.warning("reconcile failed", extra={"error": f"{type(e).__name__}: {e}"})
+            rounds += 1
+            jitter = 1 + random.uniform(-1, 1) * self.cfg.lease.reconcile_jitter
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self._either(self.stopping, self.wake_reconcile),
+                                       self.cfg.lease.reconcile_s * jitter)
+            self.wake_reconcile.clear()
+
+    @staticmethod
+    async def _either(a: asyncio.Event, b: asyncio.Event) -> None:
+        waits = [asyncio.ensure_future(a.wait()), asyncio.ensure_future(b.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
+    async def _reconcile(self, rounds: int) -> None:
+        for old in list(self.session.previous):
+            if await self._take_over(old):
+                self.session.previous.remove(old)
+        if self.free_capacity() <= 0:
+            return
+        # An emptier shard claims first: delay proportional to load spreads connections evenly.
+        assert self.stopping is not None
+        load = len(self.held) / self.capacity
+        if load > 0 and await _wait(self.stopping, load * min(1.0, self.cfg.lease.reconcile_s / 5)):
+            return
+        if self.cfg.lease.lease_mode == "session":
+            for dead in await self.leases.expired_sessions():
+                if dead != self.session.session_id and self.free_capacity() > 0:
+                    await self._take_over(dead)
+        if rounds % _SELF_ADOPT_EVERY == _SELF_ADOPT_EVERY - 1:
+            await self._adopt_own_strays()
+        await self._claim_free()
+
+    async def _take_over(self, dead: str) -> bool:
+        """Claim a confirmed-dead session's items; delete it once it owns nothing.  True when done."""
+        if not await self.leases.session_is_dead(dead):
+            return False
+        ids = await self.leases.items_of(dead)
+        random.shuffle(ids)
+        ids = ids[: max(0, self.free_capacity())]
+        await _bounded(ids, self.cfg.lease.claim_concurrency, lambda cid: self.claim(cid, dead_owner=dead))
+        if not await self.leases.items_of(dead, limit=1):
+            await self.leases.delete_dead_session(dead)
+            return True
+        return False
+
+    async def _adopt_own_strays(self) -> None:
+        """Items owned by our session that we do not hold (an ambiguous claim we reported as failed)."""
+        me = self.session.session_id
+        strays = [cid for cid in await self.leases.items_of(me) if cid not in self.held]
+        for cid in strays[: max(0, self.free_capacity())]:
+            await self.claim(cid, dead_owner=me)
+
+    async def _claim_free(self) -> None:
+        want = self.free_capacity()
+        if want <= 0:
+            return
+        ids = [cid for cid in await self.leases.free_items(limit=want * 2 + 10) if cid not in self.held]
+        random.shuffle(ids)  # peers scanning the same index should not all race for the same items
+        await _bounded(ids[:want], self.cfg.lease.claim_concurrency, self.claim)
+
+    # ----- hints -----------------------------------------------------------------------------------
+
+    async def _hints_loop(self) -> None:
+        assert self.stopping is not None
+        while not self.stopping.is_set():
+            if self.free_capacity() <= 0:
+                await _wait(self.stopping, 1.0)  # full: leave hints for peers
+                continue
+            try:
+                await self._handle_hints()
+            except Exception as e:
+                self.stats.inc("hints_total", kind="error")
+                log.warning("hint poll failed", extra={"error": f"{type(e).__name__}: {e}"})
+                await _wait(self.stopping, 2.0)
+
+    async def _handle_hints(self) -> None:
+        assert self.stopping is not None
+        poll = asyncio.ensure_future(self.hints.receive(self.free_capacity()))
+        stop = asyncio.ensure_future(self.stopping.wait())
+        await asyncio.wait([poll, stop], return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if not poll.done():
+            poll.cancel()
+            return
+        taken, returned = [], []
+        for hint in poll.result():
+            if self.free_capacity() <= 0 or self._is_stopping():
+                returned.append(hint.receipt)
+                continue
+            await self.claim(hint.connection_id, source="hint")
+            taken.append(hint.receipt)
+        if taken:
+            await self.hints.ack(taken)
+        if returned:
+            await self.hints.give_back(returned)
+
+    # ----- desired state and checkpoints ------------------------------------------------------------
+
+    async def _desired_loop(self) -> None:
+        assert self.stopping is not None
+        while not await _wait(self.stopping, self.cfg.lease.desired_state_s):
+            try:
+                await self._check_desired()
+            except Exception as e:
+                log.warning("desired-state check failed", extra={"error": f"{type(e).__name__}: {e}"})
+
+    async def _check_desired(self) -> None:
+        snapshot = {cid: h for cid, h in self.held.items() if not h.releasing}
+        states = await self.leases.desired_states(snapshot)
+        to_release: list[str] = []
+        for cid, item in states.items():
+            h = snapshot[cid]
+            if self.held.get(cid) is not h:
+                continue  # changed while we were reading
+            if item is None:
+                self._lose(cid, "deleted")
+            elif item.lease_epoch > h.epoch or (item.lease_epoch == h.epoch and item.lease_owner != h.item.lease_owner):
+                self._lose(cid, "taken")
+            elif item.lease_epoch < h.epoch:
+                continue  # a stale (eventually consistent) read: nothing to conclude
+            elif item.desired_state == STOPPED:
+                to_release.append(cid)
+            elif item.ws_url != h.item.ws_url:
+                await self._restart(cid, h, item)
+        if to_release:
+            await self._release_many(to_release, hint=False)
+
+    async def _restart(self, cid: str, h: Held, item: ConnItem) -> None:
+        """The item's ws_url changed (e.g. a parked item was fixed): reconnect to the new URL."""
+        if h.conn is not None:
+            await h.conn.close(timeout_s=1.0)
+        h.item = item
+        last = h.conn.last_received if h.conn is not None else (item.last_seq if item.last_seq >= 0 else None)
+        h.cursor = self.sink.cursor(cid, h.epoch, h.cursor.last_seq)
+        h.conn = self._connect(item, h.cursor, last)
+
+    async def _release_many(self, ids: list[str], hint: bool) -> None:
+        """Close, flush and release these connections; optionally send START hints for them."""
+        entries = [(cid, self.held[cid]) for cid in ids if cid in self.held]
+        for _, h in entries:
+            h.releasing = True
+        await asyncio.gather(*(h.conn.close() for _, h in entries if h.conn is not None))
+        await self.sink.drain(self.ddb, timeout_s=min(5.0, self.cfg.runtime.shutdown_budget_s / 4))
+
+        async def release(entry: tuple[str, Held]) -> Outcome:
+            cid, h = entry
+            outcome = await self.leases.release(cid, h.item.lease_owner or self.session.session_id, h.epoch,
+                                                h.cursor.last_seq)
+            self.held.pop(cid, None)
+            self.sink.deactivate(h.cursor)
+            self.stats.inc("lease_releases_total", result=outcome.value)
+            return outcome
+
+        outcomes = await _bounded(entries, self.cfg.lease.claim_concurrency, release)
+        released = [cid for (cid, _), o in zip(entries, outcomes, strict=True) if o is Outcome.WON]
+        if hint and released:
+            await self.hints.send_start(released)
+
+    async def _checkpoint_loop(self) -> None:
+        assert self.stopping is not None
+        while not await _wait(self.stopping, self.cfg.lease.checkpoint_s):
+            await self.checkpoint_all()
+
+    async def checkpoint_all(self) -> None:
+        dirty = [(cid, h) for cid, h in self.held.items()
+                 if not h.releasing and h.cursor.last_seq != h.cursor.checkpointed_seq]
+
+        async def one(entry: tuple[str, Held]) -> None:
+            cid, h = entry
+            seq = h.cursor.last_seq
+            outcome = await self.leases.checkpoint(cid, h.item.lease_owner or self.session.session_id, h.epoch, seq)
+            if outcome is Outcome.WON:
+                h.cursor.checkpointed_seq = seq
+            elif outcome is Outcome.LOST and self.held.get(cid) is h:
+                self._lose(cid, "checkpoint_lost")
+
+        await _bounded(dirty, self.cfg.lease.claim_concurrency, one)
+
+    # ----- metrics --------------------------------------------------------------------------------
+
+    def _count_request(self, op: str, outcome: Outcome) -> None:
+        self.stats.inc("dynamodb_requests_total", op=op, outcome=outcome.value)
+
+    def _on_pressure(self, high: bool) -> None:
+        self.stats.inc("sink_pressure_total", state="pause" if high else "resume")
+        for h in self.held.values():
+            if h.conn is not None:
+                (h.conn.pause_reading if high else h.conn.resume_reading)()
+
+    async def _report_loop(self) -> None:
+        assert self.stopping is not None
+        loop = asyncio.get_running_loop()
+        while not self.stopping.is_set():
+            before = loop.time()
+            await _wait(self.stopping, 1.0)
+            self.stats.set("event_loop_lag_seconds", max(0.0, loop.time() - before - 1.0))
+            self.report()
+
+    def report(self) -> None:
+        connected = sum(1 for h in self.held.values() if h.conn is not None and h.conn.connected)
+        self.stats.set("active_connections", len(self.held))
+        self.stats.set("upstream_connected", connected)
+        self.stats.set("sink_buffer_messages", self.sink.buffered)
+        self.stats.set("session_live", 1.0 if self.clock.monotonic() < self.session.deadline else 0.0)
+        if self.reporter is not None:
+            snap = self.stats.snapshot()
+            snap["session_id"] = self.session.session_id
+            snap["held"] = len(self.held)
+            self.reporter(snap)
+
+    # ----- shutdown -------------------------------------------------------------------------------
+
+    async def _shutdown(self) -> None:
+        budget = self.cfg.runtime.shutdown_budget_s
+        started = self.clock.monotonic()
+        log.info("shutting down", extra={"held": len(self.held)})
+        # Never hold a socket past our fence deadline, even while shutting down.
+        limit = min(budget - 2.0, self._next_deadline() - started)
+        try:
+            await asyncio.wait_for(self._release_many(list(self.held), hint=True), max(0.5, limit))
+        except TimeoutError:
+            log.warning("shutdown budget exhausted; remaining leases expire on their own",
+                        extra={"held": len(self.held)})
+        for h in self.held.values():
+            if h.conn is not None:
+                h.conn.fence()
+        with suppress(TimeoutError):
+            await asyncio.wait_for(self.leases.expire_session(self.session.session_id), 1.5)
+        self.report()
+        log.info("shard stopped", extra={"seconds": round(self.clock.monotonic() - started, 3)})
+
+
+def _boot_reason(e: Exception, what: str) -> str:
+    code = error_code(e)
+    if code in ("ResourceNotFoundException", "AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist"):
+        return f"{what} does not exist: run `fleetd init`"
+    if type(e).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
+        return "no AWS credentials found"
+    return f"{what}: {code or type(e).__name__}: {e}"
+
+
+def main(cfg: Config, index: int = 0, reporter: Reporter | None = None, predecessor: str | None = None) -> int:
+    """Run one shard in this process until SIGTERM/SIGINT; returns the exit code."""
+    logs.setup(cfg.runtime.log_format, cfg.runtime.log_level)
+    logs.set_context(shard=index)
+    shard = Shard(cfg, index, reporter=reporter, predecessor=predecessor)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(shard.run())

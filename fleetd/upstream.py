@@ -1,0 +1,311 @@
+"""One owned upstream stream: a picows client that reconnects and resumes (SPEC §5).
+
+A :class:`Connection` lives exactly as long as its lease is held.  Its task
+connects, streams, and on any drop reconnects with jittered exponential backoff,
+asking the upstream to resume at ``last received + 1``.  Frames are parsed inside
+the picows callback (their memory is only valid there), sequenced, de-duplicated
+and handed to the sink.  Bad frames are counted and logged, never fatal.
+
+Three ways out, chosen by the shard: :meth:`Connection.fence` (lease lost: drop
+the socket at once, write nothing more), :meth:`Connection.close` (stop or
+shutdown: polite CLOSE, bounded wait) and task cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import urllib.parse
+from typing import Any
+
+import orjson
+from picows import WSCloseCode, WSFrame, WSListener, WSMsgType, WSTransport, ws_connect
+
+from fleetd.clock import Clock
+from fleetd.config import UpstreamConfig
+from fleetd.logs import RateLimiter
+from fleetd.sink import Cursor, Sink
+from fleetd.stats import Stats
+
+log = logging.getLogger("fleetd.upstream")
+_limiter = RateLimiter(10.0)
+_STABLE_S = 10.0  # a connection up this long resets the reconnect backoff
+
+
+def validate_url(url: str, cfg: UpstreamConfig) -> str:
+    """The URL if fleetd may connect to it, else ValueError with a readable reason."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname
+        _ = parts.port  # raises on a malformed port
+    except ValueError as e:
+        raise ValueError(f"malformed URL {url!r}: {e}") from None
+    if parts.scheme not in cfg.allowed_schemes:
+        allowed = ", ".join(cfg.allowed_schemes)
+        raise ValueError(f"URL scheme {parts.scheme or '(none)'!r} not allowed (allowed: {allowed})")
+    if not host:
+        raise ValueError(f"URL {url!r} has no host")
+    if cfg.allowed_hosts and host not in cfg.allowed_hosts:
+        raise ValueError(f"host {host!r} is not in allowed_hosts")
+    return url
+
+
+def resume_url(url: str, param: str, from_seq: int) -> str:
+    """``url`` with ``param=from_seq`` set in its query (replacing an existing one)."""
+    parts = urllib.parse.urlsplit(url)
+    query = [(k, v) for k, v in urllib.parse.parse_qsl(parts.query, keep_blank_values=True) if k != param]
+    query.append((param, str(from_seq)))
+    return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query)))
+
+
+class _Listener(WSListener):
+    """picows callbacks for one socket; forwards to its :class:`Connection`.
+
+    No ``__slots__``: picows keeps a weak reference to the listener for its
+    pause/resume_writing hooks.
+    """
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.fragments: bytearray | None = None
+
+    def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
+        mt = frame.msg_type
+        if mt is WSMsgType.TEXT and frame.fin and self.fragments is None:
+            self.conn.on_text(frame.get_payload_as_memoryview())
+        elif mt is WSMsgType.TEXT or mt is WSMsgType.CONTINUATION:
+            self._fragment(transport, frame)
+        elif mt is WSMsgType.CLOSE:
+            # picows does not answer a CLOSE itself (NOTES.md): echo it, then hang up.
+            # Echoing "no status" (1005) literally would be a protocol error: answer 1000 then.
+            code = frame.get_close_code()
+            if not transport.is_close_frame_sent:
+                transport.send_close(WSCloseCode.OK if code is WSCloseCode.NO_INFO else code)
+            transport.disconnect()
+        elif mt is WSMsgType.BINARY:
+            self.conn.reject("binary")
+
+    def _fragment(self, transport: WSTransport, frame: WSFrame) -> None:
+        if frame.msg_type is WSMsgType.TEXT:
+            self.fragments = bytearray()
+        elif self.fragments is None:
+            return  # continuation of a rejected or binary message
+        self.fragments += frame.get_payload_as_memoryview()
+        if len(self.fragments) > self.conn.max_frame_bytes:
+            # A never-ending fragmented message must not grow memory without bound.
+            self.fragments = None
+            self.conn.reject("oversized")
+            transport.send_close(WSCloseCode.MESSAGE_TOO_BIG)
+            transport.disconnect()
+        elif frame.fin:
+            payload, self.fragments = self.fragments, None
+            self.conn.on_text(memoryview(payload))
+
+    def on_ws_disconnected(self, transport: WSTransport) -> None:
+        handshake = transport.close_handshake
+        sent = handshake.sent if handshake is not None else None
+        if sent is not None and sent.code is WSCloseCode.MESSAGE_TOO_BIG and self.fragments is None:
+            # picows refused a frame above max_frame_size and closed with 1009 itself.
+            self.conn.reject("oversized")
+        self.conn.on_disconnected()
+
+    def pause_writing(self) -> None:  # defined so picows does not warn; we barely write
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+
+class Connection:
+    """A leased upstream stream (see module docstring for the protocol)."""
+
+    __slots__ = (
+        "_task",
+        "_transport",
+        "cfg",
+        "clock",
+        "closing",
+        "connected",
+        "connection_id",
+        "cursor",
+        "last_received",
+        "max_frame_bytes",
+        "paused",
+        "reconnects",
+        "seq_field",
+        "sequenced",
+        "sink",
+        "stats",
+        "url",
+    )
+
+    def __init__(self, connection_id: str, url: str, cursor: Cursor, last_seq: int | None, sink: Sink,
+                 cfg: UpstreamConfig, stats: Stats, clock: Clock) -> None:
+        self.connection_id = connection_id
+        self.url = url
+        self.cursor = cursor
+        # None: the item never recorded a seq, so we cannot ask for a resume point.
+        self.last_received = last_seq
+        self.sequenced = False  # set by the first frame carrying a seq
+        self.sink = sink
+        self.cfg = cfg
+        self.stats = stats
+        self.clock = clock
+        self.seq_field = cfg.seq_field
+        self.max_frame_bytes = cfg.max_frame_bytes
+        self.closing = False
+        self.connected = False
+        self.paused = False
+        self.reconnects = 0
+        self._transport: WSTransport | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    # ----- lifecycle (called by the shard) ----------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run_loop(), name=f"conn:{self.connection_id}")
+
+    def fence(self) -> None:
+        """Lease lost or about to expire: stop writing and drop the socket now, no handshake."""
+        self.closing = True
+        self.sink.deactivate(self.cursor)
+        if self._transport is not None:
+            self._transport.disconnect(graceful=False)
+        if self._task is not None:
+            self._task.cancel()
+
+    async def close(self, timeout_s: float = 2.0) -> None:
+        """Stop politely: CLOSE 1000, wait for the upstream's echo (bounded), end the task."""
+        self.closing = True
+        tr = self._transport
+        if tr is not None and not tr.is_disconnected:
+            tr.send_close(WSCloseCode.OK)
+            try:
+                await asyncio.wait_for(tr.wait_disconnected(), timeout_s)
+            except TimeoutError:
+                tr.disconnect(graceful=False)
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def pause_reading(self) -> None:
+        self.paused = True
+        if self._transport is not None:
+            self._transport.underlying_transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self.paused = False
+        if self._transport is not None:
+            self._transport.underlying_transport.resume_reading()
+
+    # ----- the reconnect loop ----------------------------------------------------------------------
+
+    async def _run_loop(self) -> None:
+        backoff = self.cfg.backoff_min_s
+        while not self.closing:
+            started = self.clock.monotonic()
+            try:
+                await self._stream_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self._log_failure(e)
+            if self.closing:
+                return
+            if self.clock.monotonic() - started > _STABLE_S:
+                backoff = self.cfg.backoff_min_s
+            self.reconnects += 1
+            self.stats.inc("upstream_reconnects_total")
+            await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+            backoff = min(backoff * 2, self.cfg.backoff_max_s)
+
+    async def _stream_once(self) -> None:
+        transport, _ = await ws_connect(
+            lambda: _Listener(self),
+            self._connect_url(),
+            websocket_handshake_timeout=self.cfg.handshake_timeout_s,
+            enable_auto_ping=True,
+            auto_ping_idle_timeout=self.cfg.ping_idle_s,
+            auto_ping_reply_timeout=self.cfg.ping_reply_s,
+            max_frame_size=self.cfg.max_frame_bytes,
+            read_buffer_init_size=self.cfg.read_buffer_bytes,
+            logger_name="upstream",
+        )
+        if self.closing:  # fenced or closed while the handshake was in flight
+            transport.disconnect(graceful=False)
+            return
+        self._transport = transport
+        self.connected = True
+        if self.paused:
+            transport.underlying_transport.pause_reading()
+        try:
+            await transport.wait_disconnected()
+        finally:
+            self._transport = None
+            self.connected = False
+
+    def _connect_url(self) -> str:
+        if self.cfg.resume and self.last_received is not None:
+            return resume_url(self.url, self.cfg.resume_param, self.last_received + 1)
+        return self.url
+
+    def _log_failure(self, e: Exception) -> None:
+        self.stats.inc("upstream_connect_errors_total", kind=type(e).__name__)
+        if _limiter.allow(self.connection_id):
+            log.warning("upstream connect failed", extra={"connection_id": self.connection_id,
+                                                          "error": f"{type(e).__name__}: {e}"})
+
+    # ----- frames (picows callbacks, hot path) ----------------------------------------------------
+
+    def on_text(self, payload: memoryview) -> None:
+        if self.closing:
+            return
+        if len(payload) > self.max_frame_bytes:
+            self.reject("oversized")
+            return
+        try:
+            obj: Any = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            self.reject("malformed")
+            return
+        seq = obj.get(self.seq_field) if type(obj) is dict else None
+        if type(seq) is int:
+            if not self._accept(seq):
+                return
+        elif self.sequenced:
+            # In a sequenced stream, numbering a stray frame previous + 1 would make the real
+            # next frame look like a duplicate and lose it: reject the stray instead.
+            self.reject("noseq")
+            return
+        else:
+            seq = (self.last_received or 0) + 1  # SPEC §5: an unsequenced stream counts for itself
+        self.last_received = seq
+        self.sink.submit(self.cursor, seq, bytes(payload), self.clock.now_ms())
+        self.stats.messages += 1
+
+    def _accept(self, seq: int) -> bool:
+        """Dedupe and gap accounting for a frame carrying ``seq``."""
+        self.sequenced = True
+        last = self.last_received
+        if last is None:
+            return True
+        if seq <= last:
+            self.stats.inc("upstream_duplicates_total")
+            return False
+        if seq > last + 1:
+            self._gap(last, seq)
+        return True
+
+    def _gap(self, last: int, seq: int) -> None:
+        self.stats.inc("seq_gaps_total")
+        if _limiter.allow("gap:" + self.connection_id):
+            log.warning("sequence gap", extra={"connection_id": self.connection_id, "after": last, "got": seq})
+
+    def reject(self, reason: str) -> None:
+        self.stats.inc("upstream_frames_rejected_total", reason=reason)
+        if _limiter.allow(f"reject:{reason}:{self.connection_id}"):
+            log.warning("upstream frame rejected", extra={"connection_id": self.connection_id, "reason": reason})
+
+    def on_disconnected(self) -> None:
+        self.connected = False
