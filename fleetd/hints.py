@@ -19,6 +19,9 @@ from fleetd.stats import Stats
 
 log = logging.getLogger("fleetd.hints")
 SEND_BATCH_MAX = 10  # SendMessageBatch limit
+# A received hint is handled in milliseconds.  A short visibility timeout bounds how long a
+# hint swallowed by a dying receiver stays hidden from peers; a duplicate only costs a failed claim.
+VISIBILITY_S = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +51,7 @@ class Hints:
     async def receive(self, max_messages: int) -> list[Hint]:
         """One long poll; malformed messages are counted, deleted and skipped."""
         resp = await self.sqs.receive_message(QueueUrl=self.url, MaxNumberOfMessages=max(1, min(10, max_messages)),
-                                              WaitTimeSeconds=self.wait_s)
+                                              WaitTimeSeconds=self.wait_s, VisibilityTimeout=VISIBILITY_S)
         hints: list[Hint] = []
         for msg in resp.get("Messages", []):
             cid = _parse(msg.get("Body", ""))

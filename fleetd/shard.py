@@ -35,11 +35,12 @@ from fleetd import exits, logs
 from fleetd.aws import error_code, open_clients
 from fleetd.clock import Clock, SystemClock
 from fleetd.config import Config
+from fleetd.ctl import validate_url
 from fleetd.hints import Hints
 from fleetd.lease import STOPPED, ClaimResult, ConnItem, LeaseStore, Outcome, SessionInfo
 from fleetd.sink import Cursor, Sink
 from fleetd.stats import Stats
-from fleetd.upstream import Connection, validate_url
+from fleetd.upstream import Connection
 
 log = logging.getLogger("fleetd.shard")
 Reporter = Callable[[dict[str, Any]], None]
@@ -109,6 +110,7 @@ class Shard:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.replacing = asyncio.Lock()
         self.wake_reconcile: asyncio.Event | None = None
+        self.hints_done: asyncio.Event | None = None
         self.leases: LeaseStore
         self.sink: Sink
         self.hints: Hints
@@ -120,6 +122,7 @@ class Shard:
         self.loop = asyncio.get_running_loop()
         self.stopping = asyncio.Event()
         self.wake_reconcile = asyncio.Event()
+        self.hints_done = asyncio.Event()
         self._install_signals()
         async with AsyncExitStack() as stack:
             clients = await open_clients(stack, self.cfg.aws)
@@ -138,7 +141,11 @@ class Shard:
                              self._desired_loop, self._checkpoint_loop, self._report_loop):
                     tg.create_task(loop(), name=loop.__name__)
                 tg.create_task(self.sink.run(self.ddb, self.stopping), name="sink")
-            await self._shutdown()
+                await self.stopping.wait()
+                try:
+                    await self._shutdown()
+                finally:
+                    self.hints_done.set()
         return exits.OK
 
     def _install_signals(self) -> None:
@@ -399,24 +406,25 @@ class Shard:
             for w in waits:
                 w.cancel()
 
-    async def _reconcile(self, rounds: int) -> None:
+    async def _reconcile(self, rounds: int) -> bool:
+        """One round; True when free items remain that we could take."""
         for old in list(self.session.previous):
             if await self._take_over(old):
                 self.session.previous.remove(old)
         if self.free_capacity() <= 0:
-            return
+            return False
         # An emptier shard claims first: delay proportional to load spreads connections evenly.
         assert self.stopping is not None
         load = len(self.held) / self.capacity
         if load > 0 and await _wait(self.stopping, load * min(1.0, self.cfg.lease.reconcile_s / 5)):
-            return
+            return False
         if self.cfg.lease.lease_mode == "session":
             for dead in await self.leases.expired_sessions():
                 if dead != self.session.session_id and self.free_capacity() > 0:
                     await self._take_over(dead)
         if rounds % _SELF_ADOPT_EVERY == _SELF_ADOPT_EVERY - 1:
             await self._adopt_own_strays()
-        await self._claim_free()
+        return await self._claim_free()
 
     async def _take_over(self, dead: str) -> bool:
         """Claim a confirmed-dead session's items; delete it once it owns nothing.  True when done."""
@@ -438,20 +446,32 @@ class Shard:
         for cid in strays[: max(0, self.free_capacity())]:
             await self.claim(cid, dead_owner=me)
 
-    async def _claim_free(self) -> None:
-        want = self.free_capacity()
+    async def _claim_free(self) -> bool:
+        """Claim one step of free items; True if there may be more (reconcile again soon).
+
+        Claiming in steps, each after a delay proportional to our load, lets shards that
+        start together split the free items instead of the first one taking them all.
+        """
+        want = min(self.free_capacity(), max(20, self.capacity // 20))
         if want <= 0:
-            return
+            return False
         ids = [cid for cid in await self.leases.free_items(limit=want * 2 + 10) if cid not in self.held]
         random.shuffle(ids)  # peers scanning the same index should not all race for the same items
-        await _bounded(ids[:want], self.cfg.lease.claim_concurrency, self.claim)
+        outcomes = await _bounded(ids[:want], self.cfg.lease.claim_concurrency, self.claim)
+        return len(ids) > want or (len(ids) == want and all(o is Outcome.WON for o in outcomes))
 
     # ----- hints -----------------------------------------------------------------------------------
 
     async def _hints_loop(self) -> None:
-        assert self.stopping is not None
-        while not self.stopping.is_set():
-            if self.free_capacity() <= 0:
+        """Long-poll START hints until the shutdown has sent its own hints.
+
+        The poll is not abandoned at ``stopping``: a cancelled long poll may still be
+        handed messages by SQS (they would then stay invisible to peers until their
+        visibility timeout), so it runs on and gives back whatever it receives.
+        """
+        assert self.stopping is not None and self.hints_done is not None
+        while not self.hints_done.is_set():
+            if self.free_capacity() <= 0 and not self.stopping.is_set():
                 await _wait(self.stopping, 1.0)  # full: leave hints for peers
                 continue
             try:
@@ -459,14 +479,14 @@ class Shard:
             except Exception as e:
                 self.stats.inc("hints_total", kind="error")
                 log.warning("hint poll failed", extra={"error": f"{type(e).__name__}: {e}"})
-                await _wait(self.stopping, 2.0)
+                await _wait(self.hints_done, 2.0)
 
     async def _handle_hints(self) -> None:
-        assert self.stopping is not None
-        poll = asyncio.ensure_future(self.hints.receive(self.free_capacity()))
-        stop = asyncio.ensure_future(self.stopping.wait())
-        await asyncio.wait([poll, stop], return_when=asyncio.FIRST_COMPLETED)
-        stop.cancel()
+        assert self.hints_done is not None
+        poll = asyncio.ensure_future(self.hints.receive(max(1, self.free_capacity())))
+        done = asyncio.ensure_future(self.hints_done.wait())
+        await asyncio.wait([poll, done], return_when=asyncio.FIRST_COMPLETED)
+        done.cancel()
         if not poll.done():
             poll.cancel()
             return

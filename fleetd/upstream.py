@@ -33,24 +33,6 @@ _limiter = RateLimiter(10.0)
 _STABLE_S = 10.0  # a connection up this long resets the reconnect backoff
 
 
-def validate_url(url: str, cfg: UpstreamConfig) -> str:
-    """The URL if fleetd may connect to it, else ValueError with a readable reason."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-        host = parts.hostname
-        _ = parts.port  # raises on a malformed port
-    except ValueError as e:
-        raise ValueError(f"malformed URL {url!r}: {e}") from None
-    if parts.scheme not in cfg.allowed_schemes:
-        allowed = ", ".join(cfg.allowed_schemes)
-        raise ValueError(f"URL scheme {parts.scheme or '(none)'!r} not allowed (allowed: {allowed})")
-    if not host:
-        raise ValueError(f"URL {url!r} has no host")
-    if cfg.allowed_hosts and host not in cfg.allowed_hosts:
-        raise ValueError(f"host {host!r} is not in allowed_hosts")
-    return url
-
-
 def resume_url(url: str, param: str, from_seq: int) -> str:
     """``url`` with ``param=from_seq`` set in its query (replacing an existing one)."""
     parts = urllib.parse.urlsplit(url)

@@ -70,7 +70,7 @@ def assert_no_loss(cfg: Config, up: UpstreamProc, conns: list[str], lag: int = 1
 
 def max_concurrent(up: UpstreamProc, conns: list[str]) -> int:
     stats = up.stats()
-    return max(stats[c]["max_concurrent"] for c in conns)
+    return max(int(stats[c]["max_concurrent"]) for c in conns)
 
 
 class ShardThread:
@@ -84,7 +84,8 @@ class ShardThread:
 
     def _run(self) -> None:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            self.code = runner.run(self.shard.run())
+            code: int = runner.run(self.shard.run())
+            self.code = code
 
     def counter(self, name: str, **labels: str) -> float:
         return self.shard.stats.counter(name, **labels)

@@ -1,0 +1,388 @@
+"""The supervisor's Prometheus endpoint: ``/metrics``, ``/healthz`` and ``/readyz``.
+
+Shards never touch prometheus-client (``fleetd.stats``): once a second each sends an
+absolute snapshot of its counters, gauges and histograms to the supervisor, and
+:class:`FleetCollector` turns the latest snapshot per shard index into metric
+families on every scrape.  That gives three properties multiprocess mode cannot:
+
+* a dead shard's gauges vanish the moment the supervisor notices the death;
+* counters never go backwards: when a shard dies, its final counters are folded
+  into a per-index base that the next incarnation's values are added to;
+* every family an operator's dashboard queries exists from the first scrape, at 0,
+  even before a shard ever incremented it.
+
+Every stats name gets the ``fleetd_`` prefix and a ``shard`` label.  The HTTP server
+is a ``ThreadingHTTPServer`` in a daemon thread, so the supervisor's own loop stays a
+plain ``multiprocessing.connection.wait`` loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Literal
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
+
+from fleetd.stats import LATENCY_BUCKETS, Key, Labels
+
+log = logging.getLogger("fleetd.metrics")
+
+PREFIX = "fleetd_"
+READY_MAX_AGE_S = 3.0  # a shard's snapshot older than this (3 report intervals) is not "ready"
+Kind = Literal["counter", "gauge", "histogram"]
+HistValue = tuple[tuple[float, ...], list[int], int, float]  # buckets, per-bucket counts (+Inf last), count, sum
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """A metric family every scrape shows, with the label sets pre-declared at 0."""
+
+    name: str  # stats name, without the prefix; counters end in _total
+    kind: Kind
+    doc: str
+    label_sets: tuple[Mapping[str, str], ...] = ({},)
+
+
+def _sets(label: str, *values: str) -> tuple[Mapping[str, str], ...]:
+    return tuple({label: v} for v in values)
+
+
+_RESULTS = ("won", "lost", "retryable", "fatal")
+
+# The families dashboards and alerts are built on (see the issue's list); anything else a
+# shard reports is exported too, with a generic help text.
+REQUIRED: tuple[Family, ...] = (
+    Family("active_connections", "gauge", "Connections the shard holds a lease for."),
+    Family("upstream_connected", "gauge", "Held connections whose upstream socket is open."),
+    Family("session_live", "gauge", "1 while the shard's session lease is renewed in time, else 0."),
+    Family("sink_buffer_messages", "gauge", "Messages buffered in the sink, not yet durably written."),
+    Family("event_loop_lag_seconds", "gauge", "How late the shard's once-a-second report tick ran."),
+    Family("lease_claims_total", "counter", "Conditional claims by result.", _sets("result", *_RESULTS)),
+    Family("lease_renewals_total", "counter", "Lease renewals by result.", _sets("result", *_RESULTS)),
+    Family("lease_lost_total", "counter", "Connections fenced because their lease was lost, by reason.",
+           _sets("reason", "self_fence", "session_lost", "taken")),
+    Family("self_fence_total", "counter", "Times the shard fenced itself before its lease could expire."),
+    Family("messages_total", "counter", "Upstream messages accepted by the shard."),
+    Family("sink_batch_seconds", "histogram", "Duration of one sink BatchWriteItem call."),
+    Family("upstream_reconnects_total", "counter", "Upstream reconnect attempts."),
+    Family("upstream_frames_rejected_total", "counter", "Upstream frames rejected, by reason.",
+           _sets("reason", "binary", "malformed", "noseq", "oversized")),
+    Family("seq_gaps_total", "counter", "Jumps in upstream sequence numbers."),
+    Family("reconcile_claims_total", "counter", "Connections won by the reconcile loop."),
+    Family("hint_claims_total", "counter", "Connections won through a START hint."),
+    Family("hints_total", "counter", "START hints by kind.", _sets("kind", "received", "sent")),
+    Family("dynamodb_requests_total", "counter", "DynamoDB requests by operation and outcome.",
+           tuple({"op": op, "outcome": "won"} for op in ("UpdateItem", "BatchWriteItem", "Query"))),
+)
+_REQUIRED_BY_NAME = {f.name: f for f in REQUIRED}
+
+
+def _labels(labels: Mapping[str, str], shard: int) -> Labels:
+    return tuple(sorted({**labels, "shard": str(shard)}.items()))
+
+
+def _merge_hist(a: HistValue | None, b: HistValue) -> HistValue:
+    """``a + b`` bucket by bucket; a bucket layout change keeps only ``b`` (it cannot be merged)."""
+    if a is None or a[0] != b[0]:
+        return b
+    return b[0], [x + y for x, y in zip(a[1], b[1], strict=True)], a[2] + b[2], a[3] + b[3]
+
+
+@dataclass(slots=True)
+class ShardRecord:
+    """What the supervisor knows about one shard index across its incarnations."""
+
+    index: int
+    alive: bool = False
+    pid: int = 0
+    snapshot: dict[str, Any] | None = None
+    seen_at: float = 0.0  # monotonic time of the latest snapshot
+    base_counters: dict[Key, float] = field(default_factory=dict)  # dead incarnations' final totals
+    base_histograms: dict[Key, HistValue] = field(default_factory=dict)
+    restarts: int = 0
+
+    def counters(self) -> dict[Key, float]:
+        out = dict(self.base_counters)
+        for key, value in (self.snapshot or {}).get("counters", {}).items():
+            out[key] = out.get(key, 0.0) + value
+        return out
+
+    def histograms(self) -> dict[Key, HistValue]:
+        out = dict(self.base_histograms)
+        for key, value in (self.snapshot or {}).get("histograms", {}).items():
+            out[key] = _merge_hist(out.get(key), value)
+        return out
+
+    def gauges(self) -> dict[Key, float]:
+        if not self.alive:
+            return {}
+        return dict((self.snapshot or {}).get("gauges", {}))
+
+    def fold(self) -> None:
+        """The incarnation ended: its counters become the base of the next one; gauges go."""
+        self.base_counters = self.counters()
+        self.base_histograms = self.histograms()
+        self.snapshot = None
+        self.alive = False
+
+
+class _Builder:
+    """Accumulates samples per family name during one collect()."""
+
+    def __init__(self) -> None:
+        self.kinds: dict[str, Kind] = {}
+        self.counters: dict[str, dict[Labels, float]] = {}
+        self.gauges: dict[str, dict[Labels, float]] = {}
+        self.histograms: dict[str, dict[Labels, HistValue]] = {}
+
+    def declare(self, name: str, kind: Kind) -> None:
+        self.kinds.setdefault(name, kind)
+
+    def add(self, kind: Kind, name: str, labels: Labels, value: Any) -> None:
+        if self.kinds.setdefault(name, kind) != kind:
+            return  # the same name reported as two kinds: keep the first, never emit an invalid family
+        table: dict[str, dict[Labels, Any]] = getattr(self, kind + "s")
+        table.setdefault(name, {})[labels] = value
+
+    def setdefault(self, kind: Kind, name: str, labels: Labels, value: Any) -> None:
+        table: dict[str, dict[Labels, Any]] = getattr(self, kind + "s")
+        table.setdefault(name, {}).setdefault(labels, value)
+
+
+class FleetCollector:
+    """A prometheus-client collector over the latest snapshot of each shard index.
+
+    The supervisor thread calls :meth:`shard_started`, :meth:`update`,
+    :meth:`shard_exited`; HTTP threads call :meth:`collect` and :meth:`ready`.  One
+    lock guards the records; collect() works on copies.
+    """
+
+    def __init__(self, shards: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.records = [ShardRecord(i) for i in range(shards)]
+        self.draining = False  # set when the supervisor stops: /readyz turns 503 at once
+        self._lock = threading.Lock()
+
+    # ----- supervisor side ---------------------------------------------------------------------------
+
+    def shard_started(self, index: int, pid: int, restart: bool = False) -> None:
+        with self._lock:
+            rec = self.records[index]
+            rec.alive, rec.pid, rec.snapshot, rec.seen_at = True, pid, None, 0.0
+            if restart:
+                rec.restarts += 1
+
+    def update(self, index: int, snapshot: dict[str, Any]) -> None:
+        with self._lock:
+            rec = self.records[index]
+            if rec.alive:  # a late snapshot of a dead incarnation would resurrect its gauges
+                rec.snapshot, rec.seen_at = snapshot, self.clock()
+
+    def shard_exited(self, index: int) -> None:
+        with self._lock:
+            self.records[index].fold()
+
+    # ----- readers -------------------------------------------------------------------------------------
+
+    def task_active_connections(self) -> float:
+        """Connections held by the whole task (live shards only)."""
+        with self._lock:
+            return sum(rec.gauges().get(("active_connections", ()), 0.0) for rec in self.records)
+
+    def ready(self) -> bool:
+        """Every shard is alive, reported recently, and its session is live."""
+        now = self.clock()
+        with self._lock:
+            if self.draining:
+                return False
+            return all(
+                rec.alive and rec.snapshot is not None and now - rec.seen_at <= READY_MAX_AGE_S
+                and rec.gauges().get(("session_live", ()), 0.0) == 1.0
+                for rec in self.records
+            )
+
+    def collect(self) -> Iterator[Metric]:
+        b = _Builder()
+        with self._lock:
+            views = [_View(rec.index, rec.alive, rec.restarts, rec.counters(), rec.gauges(), rec.histograms())
+                     for rec in self.records]
+        for v in views:
+            _shard_samples(b, v)
+        yield from _families(b)
+        total = Metric(PREFIX + "task_active_connections", "Connections held by all shards of this task.", "gauge")
+        total.add_sample(total.name, {}, sum(v.gauges.get(("active_connections", ()), 0.0) for v in views))
+        running = Metric(PREFIX + "shards_running", "Shard processes currently running.", "gauge")
+        running.add_sample(running.name, {}, float(sum(v.alive for v in views)))
+        yield from (total, running)
+
+
+@dataclass(frozen=True, slots=True)
+class _View:
+    """A consistent copy of one :class:`ShardRecord`, taken under the lock."""
+
+    index: int
+    alive: bool
+    restarts: int
+    counters: dict[Key, float]
+    gauges: dict[Key, float]
+    histograms: dict[Key, HistValue]
+
+
+def _shard_samples(b: _Builder, v: _View) -> None:
+    for (name, labels), value in v.counters.items():
+        b.add("counter", name, _labels(dict(labels), v.index), value)
+    for (name, labels), value in v.gauges.items():
+        b.add("gauge", name, _labels(dict(labels), v.index), value)
+    for (name, labels), hist in v.histograms.items():
+        b.add("histogram", name, _labels(dict(labels), v.index), hist)
+    b.add("counter", "shard_restarts_total", _labels({}, v.index), float(v.restarts))
+    _defaults(b, v.index, v.alive)
+
+
+def _defaults(b: _Builder, index: int, alive: bool) -> None:
+    """Zero series for the required families; gauges only for live shards (a dead one's must vanish)."""
+    empty_hist: HistValue = (LATENCY_BUCKETS, [0] * (len(LATENCY_BUCKETS) + 1), 0, 0.0)
+    for fam in REQUIRED:
+        b.declare(fam.name, fam.kind)
+        if fam.kind == "gauge" and not alive:
+            continue
+        for labels in fam.label_sets:
+            b.setdefault(fam.kind, fam.name, _labels(labels, index), empty_hist if fam.kind == "histogram" else 0.0)
+
+
+def _doc(name: str) -> str:
+    fam = _REQUIRED_BY_NAME.get(name)
+    if fam is not None:
+        return fam.doc
+    if name == "shard_restarts_total":
+        return "Times the supervisor restarted this shard index after it died."
+    return f"fleetd shard metric {name}."
+
+
+def _families(b: _Builder) -> Iterator[Metric]:
+    for name in sorted(b.kinds):
+        kind = b.kinds[name]
+        if kind == "counter":
+            yield _counter(name, b.counters.get(name, {}))
+        elif kind == "gauge":
+            yield _gauge(name, b.gauges.get(name, {}))
+        else:
+            yield _histogram(name, b.histograms.get(name, {}))
+
+
+def _counter(name: str, samples: dict[Labels, float]) -> Metric:
+    base = name.removesuffix("_total")
+    m = Metric(PREFIX + base, _doc(name), "counter")
+    for labels, value in sorted(samples.items()):
+        m.add_sample(PREFIX + base + "_total", dict(labels), value)
+    return m
+
+
+def _gauge(name: str, samples: dict[Labels, float]) -> Metric:
+    m = Metric(PREFIX + name, _doc(name), "gauge")
+    for labels, value in sorted(samples.items()):
+        m.add_sample(PREFIX + name, dict(labels), value)
+    return m
+
+
+def _histogram(name: str, samples: dict[Labels, HistValue]) -> Metric:
+    m = Metric(PREFIX + name, _doc(name), "histogram")
+    for labels, (buckets, counts, count, total) in sorted(samples.items()):
+        lab = dict(labels)
+        cumulative = 0
+        for bound, n in zip((*buckets, float("inf")), counts, strict=True):
+            cumulative += n
+            m.add_sample(PREFIX + name + "_bucket", {**lab, "le": _le(bound)}, float(cumulative))
+        m.add_sample(PREFIX + name + "_count", lab, float(count))
+        m.add_sample(PREFIX + name + "_sum", lab, total)
+    return m
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(float(bound))
+
+
+def exposition(collector: FleetCollector) -> bytes:
+    """The Prometheus text format of one scrape."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return generate_latest(registry)
+
+
+# ----- HTTP ---------------------------------------------------------------------------------------------
+
+
+def _handler(collector: FleetCollector) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                self._reply(200, exposition(collector), CONTENT_TYPE_LATEST)
+            elif path == "/healthz":
+                self._reply(200, b"ok\n")
+            elif path == "/readyz":
+                ok = collector.ready()
+                self._reply(200 if ok else 503, b"ready\n" if ok else b"not ready\n")
+            else:
+                self._reply(404, b"not found\n")
+
+        def _reply(self, status: int, body: bytes, ctype: str = "text/plain; charset=utf-8") -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # one line per scrape would drown the daemon's own logs
+
+    return Handler
+
+
+class MetricsServer:
+    """``/metrics``, ``/healthz``, ``/readyz`` on ``host:port`` (port 0 picks one: see :attr:`url`)."""
+
+    def __init__(self, addr: str, collector: FleetCollector) -> None:
+        host, _, port = addr.rpartition(":")
+        self.host = host.strip("[]")
+        self.port = int(port)
+        self.collector = collector
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> None:
+        """Bind (OSError if the address is taken) and serve in a daemon thread."""
+        server = ThreadingHTTPServer((self.host, self.port), _handler(self.collector))
+        server.daemon_threads = True
+        self._server = server
+        self.port = int(server.server_address[1])
+        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1},
+                                        name="metrics-http", daemon=True)
+        self._thread.start()
+        log.info(f"metrics listening on {self.url}", extra={"url": self.url})
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+def scrape(text: str) -> Iterable[tuple[str, dict[str, str], float]]:
+    """``(sample name, labels, value)`` of every sample in an exposition (tests, ``fleetd dev``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            yield s.name, dict(s.labels), float(s.value)

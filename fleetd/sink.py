@@ -1,0 +1,573 @@
+"""The messages sink: upstream frames → the DynamoDB messages table (SPEC §2, §5).
+
+Protocol
+--------
+* A shard gets one :class:`Cursor` per owned connection (``Sink.cursor``) and calls
+  ``Sink.submit(cur, seq, payload, received_at_ms)`` from its ``on_ws_frame``
+  callback, with ``seq`` strictly increasing per cursor.  ``submit`` only appends
+  to a deque: the request dicts are built by the flushers.
+* ``Sink.run`` forms BatchWriteItem calls (≤ 25 puts; a partial batch leaves after
+  ``sink_linger_ms``) with up to ``sink_flushers`` in flight.  Each batch is retried
+  — UnprocessedItems and failed calls alike, with exponential backoff and jitter —
+  until it is durable or its cursors are deactivated.  Nothing is dropped silently:
+  the only messages never written are those of deactivated cursors and those
+  DynamoDB can never accept (too large, or rejected as invalid), which are counted
+  in ``upstream_frames_rejected_total`` and logged.
+* ``Cursor.last_seq`` advances only over contiguous durable writes: it is the
+  highest submitted seq such that every seq submitted before it on that cursor
+  is durable (or was rejected), however out of order the batches complete.  The
+  shard checkpoints it into the connection item.
+* ``Sink.deactivate`` fences a cursor (lease lost, self-fenced, closed): its
+  buffered messages are dropped and never sent again.  A request already on the
+  wire cannot be recalled; fencing ``safety_margin_s`` before expiry covers that.
+* ``on_pressure(True)`` is called once when ``buffered`` rises above
+  ``sink_high_watermark``, ``on_pressure(False)`` once when it falls below
+  ``sink_low_watermark`` (the shard pauses / resumes upstream reads).
+* Release: ``wait_durable(ddb, cursors, timeout_s)`` waits until those cursors have
+  nothing pending, so their final ``last_seq`` can go into the release.
+* Shutdown: ``run`` returns when ``stopping`` is set, putting unfinished batches
+  back into the buffer; then ``drain`` writes what active cursors still have,
+  bounded by its timeout.
+* ``sink = "discard"`` makes every submitted message durable at once, without I/O
+  (benchmarks of the ingest path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import random
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from botocore.exceptions import ConnectTimeoutError, ReadTimeoutError
+
+from fleetd.aws import error_code
+from fleetd.clock import Clock
+from fleetd.config import Config
+from fleetd.lease import Outcome, classify
+from fleetd.stats import Stats
+
+log = logging.getLogger(__name__)
+
+BATCH_MAX = 25  # PutRequests per BatchWriteItem
+ITEM_MAX_BYTES = 400 * 1024  # DynamoDB item size limit, attribute names included
+REQUEST_MAX_BYTES = 16 * 1024 * 1024  # BatchWriteItem request size limit
+BACKOFF_MIN_S = 0.05
+BACKOFF_MAX_S = 2.0
+_NEVER = -1  # a queue length submit never reaches: no wake-up wanted
+_LOG_EVERY_S = 5.0
+
+# Bytes of an item besides payload, connection id and session id: the attribute names
+# (connection_id, seq, payload, received_at_ms, lease_epoch, session_id = 58 bytes) and
+# three numbers at their 21-byte maximum.  Over-estimating only ever rejects frames
+# within ~70 bytes of the limit, which max_frame_bytes (350 KB) keeps far away.
+_ITEM_FIXED_BYTES = 58 + 3 * 21
+# JSON on the wire can be larger than the item: botocore escapes non-ASCII as \\uXXXX
+# (up to 12 bytes per code point) and control characters as \\u00XX (6 bytes per byte).
+_WIRE_PER_ASCII = 6
+_WIRE_PER_CODEPOINT = 12
+_THROTTLE_CODES = frozenset({"ProvisionedThroughputExceededException", "ThrottlingException",
+                             "RequestLimitExceeded", "TooManyRequestsException"})
+
+Entry = tuple["Cursor", int, bytes | str, int]
+"""A submitted message: (cursor, seq, payload, received_at_ms) — all ``submit`` stores."""
+Pending = tuple["Cursor", int, dict[str, Any], int, int]
+"""A built message: (cursor, seq, PutRequest, received_at_ms, bound on its bytes on the wire)."""
+
+
+def _no_pressure(paused: bool) -> None:
+    pass
+
+
+class Cursor:
+    """Per-connection write state owned by the sink.
+
+    ``last_seq``: highest seq such that every seq ≤ it submitted on this cursor is
+    durable (contiguous), starting at the item's ``last_seq``.  ``checkpointed_seq``:
+    the value last written to the connection item (set by the shard's checkpoint
+    loop).  ``active``: False once fenced, lost or closed.
+
+    Contiguity: ``_out`` holds the seqs submitted and not yet durable, in submit
+    (= increasing) order.  A write that completes for the head of ``_out`` advances
+    ``last_seq`` to it, and then over every following seq already in ``_done``; a
+    write that completes anywhere else only joins ``_done``.  So ``last_seq`` never
+    passes a seq still in flight, whatever order batches complete in.
+    """
+
+    __slots__ = ("_done", "_epoch_attr", "_id_attr", "_id_bytes", "_out", "active", "checkpointed_seq",
+                 "connection_id", "last_seq", "lease_epoch")
+
+    def __init__(self, connection_id: str, lease_epoch: int, last_seq: int) -> None:
+        self.connection_id = connection_id
+        self.lease_epoch = lease_epoch
+        self.last_seq = last_seq
+        self.checkpointed_seq = last_seq
+        self.active = True
+        self._out: collections.deque[int] = collections.deque()
+        self._done: set[int] | None = None  # created on the first out-of-order completion
+        # Attribute values shared by all of this cursor's items (botocore only reads them).
+        self._id_attr = {"S": connection_id}
+        self._epoch_attr = {"N": str(lease_epoch)}
+        self._id_bytes = len(connection_id.encode())
+
+    @property
+    def pending(self) -> int:
+        """Messages submitted on this cursor and not yet durable."""
+        return len(self._out)
+
+    def durable(self, seq: int) -> None:
+        """Record that the message ``seq`` is durable (or skipped for good)."""
+        out = self._out
+        if out and out[0] == seq:
+            out.popleft()
+            done = self._done
+            while done and out and out[0] in done:
+                seq = out.popleft()
+                done.discard(seq)
+            self.last_seq = seq
+        else:
+            if self._done is None:
+                self._done = set()
+            self._done.add(seq)
+
+    def _drop_pending(self) -> int:
+        """Forget every message not yet durable; returns how many there were."""
+        n = len(self._out)
+        self._out.clear()
+        self._done = None
+        return n
+
+    def __repr__(self) -> str:
+        return (f"Cursor({self.connection_id!r}, epoch={self.lease_epoch}, last_seq={self.last_seq}, "
+                f"pending={len(self._out)}, active={self.active})")
+
+
+class Sink:
+    """Buffers submitted messages and writes them with BatchWriteItem (see the module docstring).
+
+    The constructor is pure: no loop, no client, no task.  One coroutine at a time
+    "pumps" (forms batches and starts flushes): ``run``, or else a ``drain`` /
+    ``wait_durable``; others calling meanwhile wait for the pump's progress.
+    """
+
+    def __init__(self, cfg: Config, session_id: str, stats: Stats, clock: Clock,
+                 on_pressure: Callable[[bool], None] = _no_pressure) -> None:
+        sk = cfg.sink
+        self._discard = sk.sink == "discard"
+        self._table = cfg.aws.messages_table
+        self._session_attr = {"S": session_id}
+        self._overhead = _ITEM_FIXED_BYTES + len(session_id.encode())
+        self._linger_s = sk.sink_linger_ms / 1000.0
+        self._max_flushes = sk.sink_flushers
+        self._high = sk.sink_high_watermark
+        self._low = sk.sink_low_watermark
+        self._stats = stats
+        self._clock = clock
+        self._on_pressure = on_pressure
+        self._q: collections.deque[Entry] = collections.deque()  # submitted, not yet built
+        self._held: collections.deque[Pending] = collections.deque()  # built, sent before _q
+        self._solo: collections.deque[Pending] = collections.deque()  # to be sent one per call
+        self._buffered = 0
+        self._pressured = False
+        self._wake = asyncio.Event()
+        self._wake_at = _NEVER  # submit wakes the pump when the queue reaches this length
+        self._flushes: set[asyncio.Task[None]] = set()
+        self._pumping = False
+        self._run_waiting = False
+        self._waiters: list[asyncio.Future[None]] = []  # drain / wait_durable callers while run pumps
+        self._last_log = -_LOG_EVERY_S
+        self.written = 0  # messages made durable
+        self.dropped = 0  # messages of deactivated cursors, never written
+        self.rejected = 0  # messages DynamoDB can never accept, skipped
+
+    # ----- the caller's side (synchronous, hot) -------------------------------------------------------
+
+    def cursor(self, connection_id: str, lease_epoch: int, last_seq: int) -> Cursor:
+        """Write state for a connection just claimed with ``lease_epoch`` at checkpoint ``last_seq``."""
+        return Cursor(connection_id, lease_epoch, last_seq)
+
+    def submit(self, cur: Cursor, seq: int, payload: bytes | str, received_at_ms: int) -> None:
+        """Buffer one message (``seq`` above every seq submitted on ``cur`` before).
+
+        ``payload`` must be owned by the caller (copy a picows frame out of its buffer).
+        """
+        if not cur.active:
+            return  # fenced: whatever still arrives must never be written
+        if self._discard:
+            cur.last_seq = seq
+            self.written += 1
+            return
+        cur._out.append(seq)
+        q = self._q
+        q.append((cur, seq, payload, received_at_ms))
+        if len(q) == self._wake_at:
+            self._wake.set()
+        self._buffered += 1
+        if self._buffered > self._high and not self._pressured:
+            self._pressured = True
+            self._on_pressure(True)
+
+    @property
+    def buffered(self) -> int:
+        """Messages submitted and neither durable nor dropped yet."""
+        return self._buffered
+
+    def deactivate(self, cur: Cursor) -> None:
+        """Fence ``cur``: its buffered messages are dropped and never written."""
+        if not cur.active:
+            return
+        cur.active = False
+        n = cur._drop_pending()
+        # Its entries stay in the queues until a flusher meets and skips them; they are
+        # accounted for here, once.
+        self._buffered -= n
+        self.dropped += n
+        self._after_progress()
+        self._wake.set()  # a drain may be waiting for the buffer to empty
+
+    # ----- flushing -----------------------------------------------------------------------------------
+
+    async def run(self, ddb: Any, stopping: asyncio.Event) -> None:
+        """Write batches until ``stopping`` is set; then return without draining."""
+        if self._discard:
+            await stopping.wait()
+            return
+        watcher = asyncio.get_running_loop().create_task(self._wake_when(stopping))
+        try:
+            await self._take_over_pump(stopping)
+            if not stopping.is_set():
+                await self._pump(ddb, stopping.is_set, self._linger_s)
+        finally:
+            watcher.cancel()
+            if not self._pumping:
+                await self._abort_flushes()
+
+    async def _take_over_pump(self, stopping: asyncio.Event) -> None:
+        """A drain or wait_durable that started first (run was only scheduled) hands the pump over."""
+        if self._pumping and self._run_waiting:
+            raise RuntimeError("Sink.run is already running")
+        self._run_waiting = True
+        try:
+            while self._pumping and not stopping.is_set():
+                self._wake.set()
+                await self._next_progress()
+        finally:
+            self._run_waiting = False
+
+    async def drain(self, ddb: Any, timeout_s: float) -> bool:
+        """Write everything active cursors have buffered, for at most ``timeout_s``; True if all durable.
+
+        Meant for shutdown, after ``run`` returned.  While ``run`` is active it only waits
+        (under steady load the buffer is rarely empty: prefer :meth:`wait_durable`).
+        """
+        if self._discard:
+            return True
+        return await self._settle(ddb, lambda: self._buffered <= 0, timeout_s)
+
+    async def wait_durable(self, ddb: Any, cursors: Iterable[Cursor], timeout_s: float) -> bool:
+        """Wait, at most ``timeout_s``, until these cursors have nothing pending (release of a few).
+
+        Writes by itself if ``run`` is not active.  True if all of them are durable (or fenced).
+        """
+        if self._discard:
+            return True
+        wanted = [cur for cur in cursors if cur.active and cur._out]
+        return await self._settle(ddb, lambda: all(not (c.active and c._out) for c in wanted), timeout_s)
+
+    def set_session(self, session_id: str) -> None:
+        """Stamp messages built from now on with a new session id (after the shard renewed its session)."""
+        self._session_attr = {"S": session_id}
+        self._overhead = _ITEM_FIXED_BYTES + len(session_id.encode())
+
+    async def _settle(self, ddb: Any, finished: Callable[[], bool], timeout_s: float) -> bool:
+        """Until ``finished()`` or the timeout: wait on the running pump, or pump (no linger) if none runs."""
+        own = False
+        try:
+            async with asyncio.timeout(timeout_s):
+                while not finished():
+                    if self._pumping:
+                        await self._next_progress()
+                    else:
+                        own = True
+                        await self._pump(ddb, finished, 0.0)
+        except TimeoutError:
+            pass
+        finally:
+            if own and not self._pumping:  # flushes in progress belong to whoever pumps now
+                await self._abort_flushes()
+        return finished()
+
+    async def _next_progress(self) -> None:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        await fut
+
+    def _notify(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def _wake_when(self, stopping: asyncio.Event) -> None:
+        await stopping.wait()
+        self._wake.set()
+
+    async def _pump(self, ddb: Any, finished: Callable[[], bool], linger_s: float) -> None:
+        """Start flushes while slots are free: at once for a full batch, after ``linger_s`` for a partial one.
+
+        A pump for drain / wait_durable (``linger_s`` 0) stops as soon as ``run`` wants to take over.
+        """
+        assert not self._pumping, "one pump at a time"
+        self._pumping = True
+        yields = linger_s == 0.0
+        loop = asyncio.get_running_loop()
+        deadline: float | None = None
+        try:
+            while not finished() and not (yields and self._run_waiting):
+                timeout: float | None = None
+                waiting = bool(self._q or self._held or self._solo)
+                if waiting and len(self._flushes) < self._max_flushes:
+                    now = loop.time()
+                    deadline = now + linger_s if deadline is None else deadline
+                    if self._held or self._solo or len(self._q) >= BATCH_MAX or now >= deadline:
+                        self._start_flush(ddb, self._take())
+                        deadline = None
+                        continue
+                    self._wake_at, timeout = BATCH_MAX, deadline - now
+                else:
+                    # Queue empty: wake on the first message.  Slots full: a finishing flush wakes us.
+                    self._wake_at = _NEVER if waiting else 1
+                    deadline = deadline if waiting else None
+                self._wake.clear()
+                await _wait(self._wake, timeout)
+        finally:
+            self._wake_at = _NEVER
+            self._pumping = False
+            self._notify()  # a waiter in _settle may have to take over
+
+    def _take(self) -> list[Pending]:
+        """The next batch: ≤ 25 live messages, no key twice, within the request size limit."""
+        if self._solo:
+            return self._take_solo()
+        batch: list[Pending] = []
+        keys: set[tuple[str, int]] = set()
+        later: list[Pending] = []
+        wire = 0
+        while len(batch) < BATCH_MAX and (self._held or self._q):
+            p = self._held.popleft() if self._held else self._build(self._q.popleft())
+            if p is None or not p[0].active:
+                continue
+            if wire + p[4] > REQUEST_MAX_BYTES and batch:
+                self._held.appendleft(p)
+                break
+            key = (p[0].connection_id, p[1])
+            if key in keys:
+                later.append(p)  # DynamoDB rejects a batch that puts one key twice
+                continue
+            keys.add(key)
+            batch.append(p)
+            wire += p[4]
+        self._held.extendleft(reversed(later))
+        return batch
+
+    def _take_solo(self) -> list[Pending]:
+        while self._solo:
+            p = self._solo.popleft()
+            if p[0].active:
+                return [p]
+        return []
+
+    def _build(self, entry: Entry) -> Pending | None:
+        """The PutRequest of a submitted message, or None if it was dropped or rejected."""
+        cur, seq, payload, received_at_ms = entry
+        if not cur.active:
+            return None
+        value, size, wire = _payload_attr(payload)
+        size += self._overhead + cur._id_bytes
+        if size > ITEM_MAX_BYTES:
+            self._reject(cur, seq, "too_large_for_sink", f"item of ~{size} bytes exceeds DynamoDB's 400 KB")
+            return None
+        item = {"connection_id": cur._id_attr, "seq": {"N": str(seq)}, "payload": value,
+                "received_at_ms": {"N": str(received_at_ms)}, "lease_epoch": cur._epoch_attr,
+                "session_id": self._session_attr}
+        # wire + size over-counts (the payload twice) but bounds names, numbers and ids too.
+        return cur, seq, {"PutRequest": {"Item": item}}, received_at_ms, wire + size
+
+    def _reject(self, cur: Cursor, seq: int, reason: str, why: str) -> None:
+        """Skip a message DynamoDB can never store: counted, logged, and done, so last_seq moves on."""
+        self._stats.inc("upstream_frames_rejected_total", reason=reason)
+        log.warning("sink skips message %s/%d: %s", cur.connection_id, seq, why)
+        self.rejected += 1
+        self._complete(cur, seq)
+        self._after_progress()
+
+    def _start_flush(self, ddb: Any, batch: list[Pending]) -> None:
+        if not batch:
+            return
+        task = asyncio.get_running_loop().create_task(self._flush(ddb, batch))
+        self._flushes.add(task)
+        task.add_done_callback(self._flush_done)
+
+    def _flush_done(self, task: asyncio.Task[None]) -> None:
+        self._flushes.discard(task)
+        self._wake.set()
+        if not task.cancelled() and task.exception() is not None:
+            log.error("sink flush failed", exc_info=task.exception())
+
+    async def _abort_flushes(self) -> None:
+        """Cancel flushes in progress; each puts its unfinished messages back (see ``_flush``)."""
+        tasks = list(self._flushes)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _flush(self, ddb: Any, batch: list[Pending]) -> None:
+        """Write one batch until every message in it is durable, rejected or dropped."""
+        delay = BACKOFF_MIN_S
+        try:
+            while True:
+                batch = [p for p in batch if p[0].active]
+                if not batch:
+                    return
+                try:
+                    batch = await self._do_batch_write(ddb, batch)
+                    if not batch:
+                        return
+                    self._note_error("unprocessed", f"{len(batch)} UnprocessedItems")
+                except Exception as e:
+                    if error_code(e) == "ValidationException":
+                        self._isolate(batch, e)
+                        return
+                    self._note_error(_error_kind(e), f"{type(e).__name__}: {e}")
+                await asyncio.sleep(random.uniform(delay / 2, delay))
+                delay = min(delay * 2, BACKOFF_MAX_S)
+        except asyncio.CancelledError:
+            # Nothing of ``batch`` is known to be durable: back to the front of the buffer.
+            self._held.extendleft(reversed(batch))
+            raise
+
+    async def _do_batch_write(self, ddb: Any, batch: list[Pending]) -> list[Pending]:
+        """One BatchWriteItem: marks what was written durable, returns the unprocessed rest."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            resp = await ddb.batch_write_item(RequestItems={self._table: [p[2] for p in batch]})
+        except Exception as e:
+            self._count_request(loop.time() - started, classify(e).value)
+            raise
+        self._count_request(loop.time() - started, Outcome.WON.value)
+        unprocessed = resp.get("UnprocessedItems", {}).get(self._table)
+        rest = _unprocessed(batch, unprocessed) if unprocessed else []
+        self._written(batch, rest)
+        return rest
+
+    def _count_request(self, seconds: float, outcome: str) -> None:
+        self._stats.observe("sink_batch_seconds", seconds)
+        self._stats.inc("dynamodb_requests_total", op="BatchWriteItem", outcome=outcome)
+
+    def _written(self, batch: list[Pending], rest: list[Pending]) -> None:
+        left = {id(p) for p in rest}
+        oldest_ms = None
+        for p in batch:
+            if id(p) not in left and p[0].active:
+                self._complete(p[0], p[1])
+                self.written += 1
+                oldest_ms = p[3] if oldest_ms is None else min(oldest_ms, p[3])
+        if oldest_ms is not None:
+            # One sample per call, its oldest message: the latency that matters for resumption.
+            self._stats.observe("sink_latency_seconds", max(0, self._clock.now_ms() - oldest_ms) / 1000.0)
+        self._after_progress()
+
+    def _isolate(self, batch: list[Pending], exc: BaseException) -> None:
+        """DynamoDB refused the batch as invalid: find the culprit by sending its messages one by one."""
+        self._note_error("invalid", f"{type(exc).__name__}: {exc}")
+        if len(batch) > 1:
+            self._solo.extend(batch)
+            self._wake.set()
+            return
+        cur, seq = batch[0][0], batch[0][1]
+        self._reject(cur, seq, "invalid_for_sink", f"DynamoDB refused it: {exc}")
+
+    def _complete(self, cur: Cursor, seq: int) -> None:
+        if cur.active:  # a deactivated cursor's messages were un-counted when it was fenced
+            self._buffered -= 1
+            cur.durable(seq)
+
+    def _after_progress(self) -> None:
+        """Keep the buffer gauge current, wake waiters, release backpressure below the low watermark."""
+        self._stats.set("sink_buffer_messages", self._buffered)
+        if self._waiters:
+            self._notify()
+        if self._pressured and self._buffered < self._low:
+            self._pressured = False
+            self._on_pressure(False)
+
+    def _note_error(self, kind: str, detail: str) -> None:
+        """Count every failure; log at most one every few seconds (a throttled table fails a lot)."""
+        self._stats.inc("sink_errors_total", kind=kind)
+        now = asyncio.get_running_loop().time()
+        if now - self._last_log >= _LOG_EVERY_S:
+            self._last_log = now
+            log.warning("sink write failed (%s), retrying with backoff: %s; %d messages buffered",
+                        kind, detail, self._buffered)
+
+
+def _payload_attr(payload: bytes | str) -> tuple[dict[str, Any], int, int]:
+    """(attribute value, its item bytes, a bound on its JSON bytes): text as S, other bytes as B."""
+    if isinstance(payload, str):
+        return {"S": payload}, _utf8_len(payload), len(payload) * _wire_factor(payload)
+    try:
+        text = payload.decode()
+    except UnicodeDecodeError:
+        return {"B": payload}, len(payload), (len(payload) + 2) // 3 * 4  # base64 on the wire
+    return {"S": text}, len(payload), len(text) * _wire_factor(text)
+
+
+def _utf8_len(text: str) -> int:
+    """Its UTF-8 length, or an upper bound when that is certainly below the item limit."""
+    if text.isascii():  # O(1) for str
+        return len(text)
+    bound = 4 * len(text)
+    return bound if bound <= ITEM_MAX_BYTES // 2 else len(text.encode("utf-8", "surrogatepass"))
+
+
+def _wire_factor(text: str) -> int:
+    return _WIRE_PER_ASCII if text.isascii() else _WIRE_PER_CODEPOINT
+
+
+def _unprocessed(batch: list[Pending], requests: list[dict[str, Any]]) -> list[Pending]:
+    """The messages of ``batch`` that UnprocessedItems names (matched by key)."""
+    keys = set()
+    for r in requests:
+        item = r.get("PutRequest", {}).get("Item", {})
+        keys.add((item.get("connection_id", {}).get("S"), int(item.get("seq", {}).get("N", -1))))
+    return [p for p in batch if (p[0].connection_id, p[1]) in keys]
+
+
+def _error_kind(exc: BaseException) -> str:
+    """A low-cardinality label for ``sink_errors_total``."""
+    code = error_code(exc)
+    if code in _THROTTLE_CODES:
+        return "throttled"
+    if code:
+        status = getattr(exc, "response", {}).get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        if status >= 500 or code in ("InternalServerError", "ServiceUnavailable"):
+            return "server"
+        return "fatal" if classify(exc) is Outcome.FATAL else "client"
+    if isinstance(exc, (TimeoutError, ReadTimeoutError, ConnectTimeoutError)):
+        return "timeout"
+    return "connection"
+
+
+async def _wait(event: asyncio.Event, limit_s: float | None) -> None:
+    """Wait for ``event``, at most ``limit_s`` seconds (None: no limit)."""
+    if limit_s is None:
+        await event.wait()
+        return
+    try:
+        async with asyncio.timeout(limit_s):
+            await event.wait()
+    except TimeoutError:
+        pass

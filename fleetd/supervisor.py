@@ -1,0 +1,585 @@
+"""The supervisor: one per task, owns the shard processes (SPEC §1).
+
+It runs no event loop and no WebSocket or AWS code of its own.  Its main loop is
+
+    wait([signal self-pipe, shard sentinels, shard report pipes], timeout)
+    → handle_term → read reports → reap_shards → manage_shards
+
+and every signal handler only records the signal number (STYLE.md item 2).
+
+* Shards are ``multiprocessing`` children started through a forkserver that has
+  ``fleetd.shard`` preloaded (a restart costs ~10 ms, not a fresh interpreter), one
+  per usable CPU unless ``shards`` says otherwise.
+* A shard reports an absolute stats snapshot once a second over a Pipe; the
+  supervisor keeps the latest per shard for ``/metrics`` and CloudWatch.
+* A shard that dies is restarted with backoff (0.5 s doubling to 30 s, reset after
+  60 s of healthy uptime).  If it died uncleanly, its session is expired at once
+  (one conditional write, in a worker thread) and the replacement starts with
+  ``predecessor=<that session>``, so it takes over the dead shard's items in about
+  a second instead of waiting for the session TTL (SPEC §6).
+* A shard exiting with ``exits.BOOT_ERROR`` (missing tables, no credentials) halts
+  the whole task with one clear line instead of a restart loop (STYLE.md item 3).
+* SIGTERM/SIGINT: forwarded once to every shard, which shuts down gracefully;
+  stragglers are SIGKILLed after ``shutdown_budget_s + 2``; a second signal kills
+  at once.  As PID 1 it also reaps orphans re-parented to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from multiprocessing.context import ForkServerContext
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from fleetd import exits, logs
+from fleetd.cloudwatch import Publisher
+from fleetd.config import Config
+from fleetd.metrics import FleetCollector, MetricsServer
+
+log = logging.getLogger("fleetd.supervisor")
+
+BACKOFF_MIN_S = 0.5
+BACKOFF_MAX_S = 30.0
+HEALTHY_UPTIME_S = 60.0  # a shard that ran this long before dying restarts at the minimum backoff again
+EXPIRE_WAIT_S = 3.0  # a restart waits at most this long for its predecessor's session to be expired
+KILL_GRACE_S = 2.0  # added to shutdown_budget_s before stragglers are SIGKILLed
+TICK_S = 1.0  # upper bound of one wait: restarts and deadlines are checked at least this often
+HALTING_EXITS = frozenset({exits.BOOT_ERROR, exits.USAGE})  # a restart cannot fix these
+CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+def usable_cpus(cpu_max: Path = CPU_MAX) -> int:
+    """CPUs this process may run on, capped by the cgroup v2 quota (``"max 100000"`` = none)."""
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+        if quota == "max":
+            return cpus
+        return max(1, min(cpus, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        return cpus
+
+
+def shard_context() -> ForkServerContext:
+    """The forkserver context, with the shard's heavy imports (uvloop, picows, aiobotocore) preloaded.
+
+    The forkserver is started here with SIGTERM ignored (an ignored disposition
+    survives exec): a SIGTERM to the whole process group (``kill -TERM -PGID``,
+    systemd) must not kill it, or every shard's exit status is lost with it while
+    the shards are still shutting down.  Shards restore the default (``shard_entry``).
+    """
+    from multiprocessing import forkserver
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["fleetd.shard", "fleetd.supervisor"])
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return ctx
+
+
+# ----- the child side -------------------------------------------------------------------------------------
+
+
+class ReportRelay:
+    """Latest-wins mailbox plus a sender thread: the shard's event loop never blocks on the pipe.
+
+    If the supervisor is slow to read, the pipe fills and the thread blocks; newer
+    snapshots then replace the unsent one (dropping is fine: snapshots are absolute).
+    """
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._cond = threading.Condition()
+        self._pending: dict[str, Any] | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="report-relay", daemon=True)
+        self._thread.start()
+
+    def offer(self, snapshot: dict[str, Any]) -> None:
+        with self._cond:
+            self._pending = snapshot
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closed:
+                    self._cond.wait()
+                msg, self._pending = self._pending, None
+            if msg is None:
+                return
+            try:
+                self.conn.send(msg)
+            except OSError:
+                return  # the supervisor is gone; the parent watch ends us
+
+    def close(self, final: dict[str, Any] | None = None, timeout_s: float = 1.0) -> None:
+        """Flush what is pending, then send ``final`` (unless the pipe is stuck)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout_s)
+        if final is not None and not self._thread.is_alive():
+            with contextlib.suppress(OSError):
+                self.conn.send(final)
+
+
+class BootErrorCapture(logging.Handler):
+    """Keeps the ``reason`` of the shard's "cannot boot" log record for the supervisor's message."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.reason = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        reason = getattr(record, "reason", None)
+        if reason:
+            self.reason = str(reason)
+
+
+def _exit_with_parent(grace_s: float) -> None:
+    """If the supervisor dies, shut down gracefully (our leases are released), hard-exit after ``grace_s``.
+
+    PR_SET_PDEATHSIG would watch the forkserver, not the supervisor; the parent
+    sentinel that multiprocessing hands us is the supervisor's end of a pipe.
+    """
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+    sentinel = parent.sentinel
+
+    def watch() -> None:
+        wait([sentinel])
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(exits.FAILURE)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def shard_entry(cfg: Config, index: int, predecessor: str | None, reports: Connection) -> None:
+    """The child process: run ``fleetd.shard.main`` and exit with its code."""
+    # Own process group: a terminal's Ctrl-C reaches only the supervisor, which forwards one
+    # SIGTERM; a shard hit by both would take the second as "exit now".
+    os.setpgid(0, 0)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # inherited as ignored from the forkserver
+    _exit_with_parent(cfg.runtime.shutdown_budget_s + KILL_GRACE_S)
+    relay = ReportRelay(reports)
+    capture = BootErrorCapture()
+    logging.getLogger("fleetd.shard").addHandler(capture)
+    from fleetd import shard
+
+    code = shard.main(cfg, index, reporter=relay.offer, predecessor=predecessor)
+    relay.close({"boot_error": capture.reason} if code == exits.BOOT_ERROR else None)
+    sys.exit(code)
+
+
+# ----- AWS helper (worker thread) ---------------------------------------------------------------------
+
+
+def expire_session(cfg: Config, session_id: str) -> str:
+    """End a dead shard's session now, so its successor may claim its items; returns the outcome.
+
+    Runs in a worker thread with a short-lived event loop: the supervisor's own
+    loop never hosts AWS code.  Failures are logged; the session then expires on
+    its own after the TTL.
+    """
+    import asyncio
+
+    started = time.monotonic()
+    try:
+        outcome = asyncio.run(_expire(cfg, session_id))
+    except Exception as e:
+        log.warning("could not expire dead session", extra={"session_id": session_id,
+                                                           "error": f"{type(e).__name__}: {e}"})
+        return "error"
+    log.info("dead session expired", extra={"session_id": session_id, "outcome": outcome,
+                                            "seconds": round(time.monotonic() - started, 3)})
+    return outcome
+
+
+async def _expire(cfg: Config, session_id: str) -> str:
+    from aiobotocore.session import get_session
+
+    from fleetd.aws import client_config, region_of
+    from fleetd.clock import SystemClock
+    from fleetd.lease import LeaseStore
+
+    async with get_session().create_client("dynamodb", region_name=region_of(cfg.aws),
+                                           config=client_config(cfg.aws)) as ddb:
+        store = LeaseStore(ddb, cfg.aws, cfg.lease, SystemClock(cfg.lease.clock_offset_ms))
+        return (await store.expire_session(session_id)).value
+
+
+def _warm_up() -> None:
+    """Import the AWS stack ahead of the first crash, so recovery does not pay for it."""
+    import aiobotocore.session  # noqa: F401
+
+    import fleetd.lease  # noqa: F401
+
+
+def reap_orphans(protected: set[int]) -> list[int]:
+    """Reap exited children that multiprocessing does not own (PID 1 inherits every orphan).
+
+    ``WNOWAIT`` peeks first, so the exit status of a child multiprocessing waits
+    for (forkserver, resource tracker) is never stolen from it.
+    """
+    reaped: list[int] = []
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return reaped
+        if info is None or info.si_pid in protected:
+            return reaped
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(info.si_pid, 0)
+        reaped.append(info.si_pid)
+
+
+def _multiprocessing_pids() -> set[int]:
+    from multiprocessing import forkserver, resource_tracker
+
+    pids = {getattr(forkserver._forkserver, "_forkserver_pid", None),
+            getattr(resource_tracker._resource_tracker, "_pid", None)}
+    return {p for p in pids if p}
+
+
+# ----- the supervisor -----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ShardSlot:
+    """One shard index and its current incarnation."""
+
+    index: int
+    process: BaseProcess | None = None
+    reports: Connection | None = None
+    session_id: str = ""  # from the latest snapshot
+    started_at: float = 0.0
+    died_at: float = 0.0
+    restart_at: float = math.inf  # when the next incarnation may start (inf = not scheduled)
+    backoff_s: float = BACKOFF_MIN_S
+    predecessor: str | None = None  # the dead incarnation's session, handed to the next one
+    expiring: Future[str] | None = None
+    boot_error: str = ""
+    incarnations: int = 0
+
+    @property
+    def pid(self) -> int:
+        return (self.process.pid or 0) if self.process is not None else 0
+
+
+class Supervisor:
+    """Starts, watches, restarts and stops the shards of one task (constructor is pure)."""
+
+    def __init__(self, cfg: Config, ctx: ForkServerContext | None = None) -> None:
+        self.cfg = cfg
+        self.count = cfg.runtime.shards or usable_cpus()
+        self.slots = [ShardSlot(i) for i in range(self.count)]
+        self.collector = FleetCollector(self.count)
+        self.server = MetricsServer(cfg.runtime.metrics_addr, self.collector)
+        self.publisher = Publisher(cfg.runtime, cfg.aws, self.collector.task_active_connections)
+        self.signals: deque[int] = deque()  # appended by signal handlers, consumed by handle_term
+        self.stopping = False
+        self.stop_signal = 0
+        self.stop_deadline = math.inf
+        self.killed = False
+        self.exit_code = exits.OK
+        self.halt_message = ""
+        self._ctx = ctx
+        self._wake_r = self._wake_w = -1
+        self._helper: ThreadPoolExecutor | None = None
+
+    # ----- lifecycle -----------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        try:
+            self.server.start()
+        except OSError as e:
+            print(f"fleetd: error: cannot serve metrics on {self.cfg.runtime.metrics_addr}: {e.strerror}",
+                  file=sys.stderr)
+            return exits.USAGE
+        self._ctx = self._ctx or shard_context()
+        self._install_signals()
+        self._helper = ThreadPoolExecutor(max_workers=2, thread_name_prefix="aws-helper")
+        self._helper.submit(_warm_up)
+        self.publisher.start()
+        log.info("supervisor started", extra={"shards": self.count, "pid": os.getpid(), "metrics": self.server.url})
+        try:
+            for slot in self.slots:
+                self._start(slot)
+            self._loop()
+        finally:
+            self._cleanup()
+        log.info("supervisor stopped", extra={"exit_code": self.exit_code})
+        if self.halt_message:  # last, so it is the line an operator sees at the bottom
+            print(f"fleetd: error: {self.halt_message}", file=sys.stderr, flush=True)
+        return self.exit_code
+
+    def _loop(self) -> None:
+        while not (self.stopping and all(s.process is None for s in self.slots)):
+            ready = wait(self._waitables(), timeout=self._timeout())
+            self._drain_wakeups()
+            self.handle_term()
+            for slot in self.slots:
+                if slot.reports is not None and slot.reports in ready:
+                    self._read_reports(slot)
+            self.reap_shards()
+            self.manage_shards()
+
+    def _waitables(self) -> list[Any]:
+        objs: list[Any] = [self._wake_r]
+        for slot in self.slots:
+            if slot.process is not None:
+                objs.append(slot.process.sentinel)
+            if slot.reports is not None:
+                objs.append(slot.reports)
+        return objs
+
+    def _timeout(self) -> float:
+        """Until the next restart or deadline is due, at most TICK_S (a finished expiry wakes us itself)."""
+        now = time.monotonic()
+        due = [math.inf if self.killed else self.stop_deadline]
+        for s in self.slots:
+            if s.process is None and not self.stopping:
+                waiting = s.expiring is not None and not s.expiring.done()
+                due.append(max(s.restart_at, s.died_at + EXPIRE_WAIT_S) if waiting else s.restart_at)
+        return min(TICK_S, max(0.01, min(due) - now))
+
+    def _cleanup(self) -> None:
+        self.collector.draining = True
+        self.publisher.stop()
+        self.server.stop()
+        if self._helper is not None:
+            pending = [s.expiring for s in self.slots if s.expiring is not None and not s.expiring.done()]
+            deadline = time.monotonic() + EXPIRE_WAIT_S
+            for fut in pending:  # peers take over faster when dead sessions are expired before we go
+                with contextlib.suppress(Exception):
+                    fut.result(max(0.0, deadline - time.monotonic()))
+            self._helper.shutdown(wait=False, cancel_futures=True)
+        reap_orphans(_multiprocessing_pids())
+        signal.set_wakeup_fd(-1)
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
+
+    # ----- signals -------------------------------------------------------------------------------------
+
+    def _install_signals(self) -> None:
+        self._wake_r, self._wake_w = os.pipe()
+        for fd in (self._wake_r, self._wake_w):
+            os.set_blocking(fd, False)
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
+            signal.signal(sig, self._record_signal)
+
+    def _record_signal(self, signum: int, frame: FrameType | None) -> None:
+        # Only record: logging or locking here can deadlock (gunicorn's SIGCHLD logging did).
+        self.signals.append(signum)
+
+    def _wake(self) -> None:
+        """Wake the main loop from another thread (a finished session expiry)."""
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"\0")
+
+    def _drain_wakeups(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            while os.read(self._wake_r, 4096):
+                pass
+
+    def handle_term(self) -> None:
+        """Act on recorded signals: the first TERM/INT stops gracefully, a second one kills."""
+        while self.signals:
+            sig = self.signals.popleft()
+            if sig == signal.SIGCHLD:
+                continue  # reap_shards reaps on every iteration
+            if self.stopping:
+                self._force(sig)
+            else:
+                log.info("stopping", extra={"signal": _signal_name(sig)})
+                self._begin_stop(sig)
+
+    def _begin_stop(self, sig: int) -> None:
+        self.stopping = True
+        self.stop_signal = sig
+        self.collector.draining = True
+        self.stop_deadline = time.monotonic() + self.cfg.runtime.shutdown_budget_s + KILL_GRACE_S
+        for slot in self.slots:
+            slot.restart_at = math.inf
+            self._signal(slot, signal.SIGTERM)
+
+    def _force(self, sig: int) -> None:
+        log.warning("second signal: killing shards now", extra={"signal": _signal_name(sig)})
+        self._kill_all()
+        self.exit_code = 128 + sig
+
+    def _kill_all(self) -> None:
+        self.killed = True
+        for slot in self.slots:
+            self._signal(slot, signal.SIGKILL)
+
+    @staticmethod
+    def _signal(slot: ShardSlot, sig: int) -> None:
+        if slot.pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(slot.pid, sig)
+
+    # ----- shards --------------------------------------------------------------------------------------
+
+    def _start(self, slot: ShardSlot) -> None:
+        assert self._ctx is not None
+        recv, send = self._ctx.Pipe(duplex=False)
+        proc = self._ctx.Process(target=shard_entry, name=f"fleetd-shard-{slot.index}",
+                                 args=(self.cfg, slot.index, slot.predecessor, send))
+        try:
+            proc.start()
+        except OSError as e:
+            recv.close()
+            log.error("could not start shard", extra={"shard": slot.index, "error": str(e)})
+            self._schedule_restart(slot, time.monotonic())
+            return
+        finally:
+            send.close()  # the child has its copy; ours would keep the pipe from ever reporting EOF
+        slot.process, slot.reports, slot.started_at = proc, recv, time.monotonic()
+        slot.restart_at, slot.expiring = math.inf, None
+        self.collector.shard_started(slot.index, proc.pid or 0, restart=slot.incarnations > 0)
+        slot.incarnations += 1
+        log.info("shard started", extra={"shard": slot.index, "pid": proc.pid, "predecessor": slot.predecessor})
+        slot.predecessor = None
+
+    def _read_reports(self, slot: ShardSlot) -> None:
+        conn = slot.reports
+        if conn is None:
+            return
+        try:
+            while conn.poll():
+                self._on_report(slot, conn.recv())
+        except (EOFError, OSError):
+            conn.close()
+            slot.reports = None
+
+    def _on_report(self, slot: ShardSlot, msg: Any) -> None:
+        if not isinstance(msg, dict):
+            return
+        if "boot_error" in msg:
+            slot.boot_error = str(msg["boot_error"])
+            return
+        slot.session_id = str(msg.get("session_id") or slot.session_id)
+        self.collector.update(slot.index, msg)
+
+    def reap_shards(self) -> None:
+        """Handle every shard that exited, and reap orphans (we may be PID 1)."""
+        for slot in self.slots:
+            proc = slot.process
+            if proc is not None and proc.exitcode is not None:
+                self._read_reports(slot)  # its last snapshots carry its session id and final counters
+                self._on_exit(slot, proc.exitcode)
+        reap_orphans(_multiprocessing_pids() | {s.pid for s in self.slots if s.pid})
+
+    def _on_exit(self, slot: ShardSlot, code: int) -> None:
+        assert slot.process is not None
+        now = time.monotonic()
+        uptime, sid, pid = now - slot.started_at, slot.session_id, slot.pid
+        # Exit code 255 is also what multiprocessing reports when the forkserver died and took the
+        # shard's status with it: the shard may still run, unsupervised.  Its process group is its own.
+        if pid > 0:  # never killpg(0): that is our own group
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        slot.process.close()
+        slot.process, slot.session_id, slot.died_at = None, "", now
+        if slot.reports is not None:
+            slot.reports.close()
+            slot.reports = None
+        self.collector.shard_exited(slot.index)
+        _log_exit(slot.index, pid, code, sid, uptime, self.stopping)
+        if code != exits.OK and sid:
+            slot.predecessor = sid
+            slot.expiring = self._expire(sid)
+        if self.stopping:
+            return
+        if code in HALTING_EXITS:
+            self._halt(slot, code)
+            return
+        if uptime >= HEALTHY_UPTIME_S:
+            slot.backoff_s = BACKOFF_MIN_S
+        self._schedule_restart(slot, now)
+
+    def _expire(self, session_id: str) -> Future[str] | None:
+        if self._helper is None:
+            return None
+        fut = self._helper.submit(expire_session, self.cfg, session_id)
+        fut.add_done_callback(lambda _: self._wake())
+        return fut
+
+    def _schedule_restart(self, slot: ShardSlot, now: float) -> None:
+        slot.restart_at = now + slot.backoff_s
+        log.info("shard restart scheduled", extra={"shard": slot.index, "delay_s": slot.backoff_s})
+        slot.backoff_s = min(slot.backoff_s * 2, BACKOFF_MAX_S)
+
+    def _halt(self, slot: ShardSlot, code: int) -> None:
+        reason = slot.boot_error or "see its log above (missing tables or queue? run `fleetd init`)"
+        self.halt_message = f"shard {slot.index} cannot boot (exit code {code}): {reason}"
+        log.error("halting: a shard cannot boot", extra={"shard": slot.index, "reason": reason})
+        self.exit_code = exits.BOOT_ERROR
+        self._begin_stop(0)
+
+    def manage_shards(self) -> None:
+        """Start due restarts; past the stop deadline, SIGKILL stragglers."""
+        now = time.monotonic()
+        if self.stopping:
+            if now >= self.stop_deadline and not self.killed:
+                live = [s.index for s in self.slots if s.process is not None]
+                log.warning("shutdown budget exceeded: killing shards", extra={"shards": live})
+                self._kill_all()
+                if self.exit_code == exits.OK:
+                    self.exit_code = 128 + (self.stop_signal or signal.SIGTERM)
+            return
+        for slot in self.slots:
+            if slot.process is None and now >= slot.restart_at and self._predecessor_settled(slot, now):
+                self._start(slot)
+
+    @staticmethod
+    def _predecessor_settled(slot: ShardSlot, now: float) -> bool:
+        """The successor must not boot before its predecessor's session is expired (or we gave up)."""
+        return slot.expiring is None or slot.expiring.done() or now - slot.died_at >= EXPIRE_WAIT_S
+
+
+def _log_exit(index: int, pid: int, code: int, session_id: str, uptime: float, stopping: bool) -> None:
+    how = f"signal {_signal_name(-code)}" if code < 0 else f"exit code {code}"
+    extra = {"shard": index, "pid": pid, "exit_code": code, "session_id": session_id, "uptime_s": round(uptime, 1)}
+    report: Callable[..., None] = log.info if stopping or code == exits.OK else log.warning
+    report(f"shard exited ({how})", extra=extra)
+
+
+def _signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return str(sig)
+
+
+def main(cfg: Config) -> int:
+    """``fleetd run``: supervise the shards until SIGTERM/SIGINT; returns the exit code."""
+    logs.setup(cfg.runtime.log_format, cfg.runtime.log_level)
+    logs.set_context(role="supervisor")
+    return Supervisor(cfg).run()

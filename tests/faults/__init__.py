@@ -1,0 +1,1 @@
+"""Fault injection for tests: an HTTP fault proxy in front of the local AWS servers."""
