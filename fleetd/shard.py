@@ -465,12 +465,17 @@ class Shard:
     async def _hints_loop(self) -> None:
         """Long-poll START hints until the shutdown has sent its own hints.
 
-        The poll is not abandoned at ``stopping``: a cancelled long poll may still be
-        handed messages by SQS (they would then stay invisible to peers until their
-        visibility timeout), so it runs on and gives back whatever it receives.
+        The poll in flight at ``stopping`` is not abandoned: a cancelled long poll may
+        still be handed messages by SQS (they would then stay invisible to peers until
+        their visibility timeout), so it runs on and gives back whatever it receives.
         """
         assert self.stopping is not None and self.hints_done is not None
         while not self.hints_done.is_set():
+            if self.stopping.is_set():
+                # No new polls once stopping: a poll would take our own final hints (or hints we
+                # gave back) and, cancelled at exit, hide them from peers for the visibility timeout.
+                await self.hints_done.wait()
+                return
             if self.free_capacity() <= 0 and not self.stopping.is_set():
                 await _wait(self.stopping, 1.0)  # full: leave hints for peers
                 continue
