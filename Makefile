@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test setup lint typecheck pytest clean
+.PHONY: run test setup lint typecheck pytest docs clean
 
 run: setup
 	$(BIN)/fleetd dev
@@ -31,6 +31,10 @@ typecheck:
 
 pytest:
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+# Regenerate docs/configuration.md from fleetd/config.py (tests/test_ops.py fails when it is stale).
+docs: setup
+	$(BIN)/python -m tools.gen_config_docs
 
 clean:
 	rm -rf $(VENV) node_modules .pytest_cache .mypy_cache .ruff_cache

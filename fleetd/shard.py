@@ -115,6 +115,7 @@ class Shard:
         self.sink: Sink
         self.hints: Hints
         self.ddb: Any = None
+        self.sink_ddb: Any = None
 
     # ----- entry -------------------------------------------------------------------------------------
 
@@ -127,6 +128,7 @@ class Shard:
         async with AsyncExitStack() as stack:
             clients = await open_clients(stack, self.cfg.aws)
             self.ddb = clients.dynamodb
+            self.sink_ddb = clients.sink_dynamodb
             self.leases = LeaseStore(self.ddb, self.cfg.aws, self.cfg.lease, self.clock, self._count_request)
             self.sink = Sink(self.cfg, "", self.stats, self.clock, on_pressure=self._on_pressure)
             self.hints = Hints(clients.sqs, self.cfg.aws.hints_queue, self.cfg.aws.hint_wait_s, self.stats)
@@ -140,7 +142,7 @@ class Shard:
                 for loop in (self._heartbeat_loop, self._fence_loop, self._reconcile_loop, self._hints_loop,
                              self._desired_loop, self._checkpoint_loop, self._report_loop):
                     tg.create_task(loop(), name=loop.__name__)
-                tg.create_task(self.sink.run(self.ddb, self.stopping), name="sink")
+                tg.create_task(self.sink.run(self.sink_ddb, self.stopping), name="sink")
                 await self.stopping.wait()
                 try:
                     await self._shutdown()
@@ -544,8 +546,7 @@ class Shard:
             await h.conn.close(timeout_s=1.0)
         h.item = item
         last = h.conn.last_received if h.conn is not None else (item.last_seq if item.last_seq >= 0 else None)
-        h.cursor = self.sink.cursor(cid, h.epoch, h.cursor.last_seq)
-        h.conn = self._connect(item, h.cursor, last)
+        h.conn = self._connect(item, h.cursor, last)  # same cursor: seqs keep increasing on it
 
     async def _release_many(self, ids: list[str], hint: bool) -> None:
         """Close, flush and release these connections; optionally send START hints for them."""
@@ -553,7 +554,8 @@ class Shard:
         for _, h in entries:
             h.releasing = True
         await asyncio.gather(*(h.conn.close() for _, h in entries if h.conn is not None))
-        await self.sink.drain(self.ddb, timeout_s=min(5.0, self.cfg.runtime.shutdown_budget_s / 4))
+        await self.sink.wait_durable(self.sink_ddb, [h.cursor for _, h in entries],
+                                     timeout_s=min(5.0, self.cfg.runtime.shutdown_budget_s / 4))
 
         async def release(entry: tuple[str, Held]) -> Outcome:
             cid, h = entry

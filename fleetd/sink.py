@@ -255,6 +255,7 @@ class Sink:
                 await self._next_progress()
         finally:
             self._run_waiting = False
+            self._notify()  # waiters in _settle: run pumps now, or is gone
 
     async def drain(self, ddb: Any, timeout_s: float) -> bool:
         """Write everything active cursors have buffered, for at most ``timeout_s``; True if all durable.
@@ -287,11 +288,11 @@ class Sink:
         try:
             async with asyncio.timeout(timeout_s):
                 while not finished():
-                    if self._pumping:
+                    if self._pumping or self._run_waiting:
                         await self._next_progress()
                     else:
                         own = True
-                        await self._pump(ddb, finished, 0.0)
+                        await self._pump(ddb, finished, 0.0, yields=True)
         except TimeoutError:
             pass
         finally:
@@ -314,14 +315,13 @@ class Sink:
         await stopping.wait()
         self._wake.set()
 
-    async def _pump(self, ddb: Any, finished: Callable[[], bool], linger_s: float) -> None:
+    async def _pump(self, ddb: Any, finished: Callable[[], bool], linger_s: float, yields: bool = False) -> None:
         """Start flushes while slots are free: at once for a full batch, after ``linger_s`` for a partial one.
 
-        A pump for drain / wait_durable (``linger_s`` 0) stops as soon as ``run`` wants to take over.
+        With ``yields`` (drain, wait_durable) it stops as soon as ``run`` wants to take over.
         """
         assert not self._pumping, "one pump at a time"
         self._pumping = True
-        yields = linger_s == 0.0
         loop = asyncio.get_running_loop()
         deadline: float | None = None
         try:

@@ -51,6 +51,7 @@ class _Listener(WSListener):
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.fragments: bytearray | None = None
+        self.closed_oversized = False  # we closed with 1009 ourselves (and counted it)
 
     def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
         mt = frame.msg_type
@@ -77,6 +78,7 @@ class _Listener(WSListener):
         if len(self.fragments) > self.conn.max_frame_bytes:
             # A never-ending fragmented message must not grow memory without bound.
             self.fragments = None
+            self.closed_oversized = True
             self.conn.reject("oversized")
             transport.send_close(WSCloseCode.MESSAGE_TOO_BIG)
             transport.disconnect()
@@ -87,7 +89,8 @@ class _Listener(WSListener):
     def on_ws_disconnected(self, transport: WSTransport) -> None:
         handshake = transport.close_handshake
         sent = handshake.sent if handshake is not None else None
-        if sent is not None and sent.code is WSCloseCode.MESSAGE_TOO_BIG and self.fragments is None:
+        code = getattr(sent.code, "value", sent.code) if sent is not None else None  # picows may give a bare int
+        if code == WSCloseCode.MESSAGE_TOO_BIG.value and not self.closed_oversized:
             # picows refused a frame above max_frame_size and closed with 1009 itself.
             self.conn.reject("oversized")
         self.conn.on_disconnected()

@@ -255,6 +255,7 @@ def test_bad_frames_and_bad_items_are_counted_and_the_shard_stays_healthy(
     try:
         wait_for(lambda: len(st.shard.held) == 6, 20, 0.2, "all 6 held (3 parked)")
         wait_for(lambda: all(upstream.stats()[c]["attached"] == 1 for c in conns), 10, 0.2, "attached")
+        time.sleep(1)  # let sequenced frames flow first: a seq-less frame is rejected only in a sequenced stream
         for kind in ("malformed", "binary", "noseq", "malformed"):
             upstream.post(f"/inject?id=c0000&kind={kind}")
         upstream.post("/inject?id=c0001&kind=oversized")

@@ -133,12 +133,13 @@ def test_last_seq_advances_only_over_contiguous_durable_writes() -> None:
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(1, 3), min_size=1, max_size=40), st.randoms(use_true_random=False))
 def test_last_seq_is_the_durable_prefix_for_any_completion_order(steps: list[int], rnd: Any) -> None:
-    cur = Cursor("c", 1, 0)
+    sink = _sink(config.load(env={}))
+    cur = sink.cursor("c", 1, 0)
     seqs, seq = [], 0
     for step in steps:
         seq += step
         seqs.append(seq)
-        cur._out.append(seq)  # what submit records
+        sink.submit(cur, seq, b"", 0)
     order = seqs[:]
     rnd.shuffle(order)
     done: set[int] = set()
