@@ -7,9 +7,10 @@ from collections.abc import AsyncIterator, Coroutine
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, TypeVar
 
+import pytest
 import uvloop
 
-from fleetd import schema
+from fleetd import cli, schema
 from fleetd.aws import Clients, open_clients
 from fleetd.config import Config
 
@@ -31,3 +32,12 @@ async def clients(cfg: Config) -> AsyncIterator[Clients]:
 async def init_tables(cfg: Config) -> list[str]:
     async with clients(cfg) as c:
         return await schema.init(c.dynamodb, c.sqs, cfg.aws)
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """Run ``fleetd ARGV`` in-process: (exit code, stdout, stderr)."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(list(argv))
+    out = capsys.readouterr()
+    assert isinstance(exc.value.code, int)
+    return exc.value.code, out.out, out.err

@@ -8,15 +8,12 @@ import sys
 
 import pytest
 
-from fleetd import cli, exits
+from fleetd import exits
+from tests.helpers import run_cli
 
 
 def fleetd(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        cli.main(list(argv))
-    out = capsys.readouterr()
-    assert isinstance(exc.value.code, int)
-    return exc.value.code, out.out, out.err
+    return run_cli(capsys, *argv)
 
 
 @pytest.fixture(autouse=True)

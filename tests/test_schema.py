@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from fleetd import cli, config, exits, schema
+from fleetd import config, exits, schema
 from fleetd.config import Config
 from fleetd.devstack import DevStack
-from tests.helpers import arun, clients
+from tests.helpers import arun, clients, run_cli
 
 
 @pytest.fixture
@@ -31,11 +31,7 @@ def fresh(stack: DevStack, monkeypatch: pytest.MonkeyPatch) -> Config:
 
 
 def fleetd(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        cli.main(list(argv))
-    out = capsys.readouterr()
-    assert isinstance(exc.value.code, int)
-    return exc.value.code, out.out, out.err
+    return run_cli(capsys, *argv)
 
 
 def table_names(cfg: Config) -> list[str]:

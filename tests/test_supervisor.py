@@ -32,6 +32,7 @@ from fleetd.config import Config
 from fleetd.devstack import DevStack, spawn, terminate
 from fleetd.metrics import scrape
 from fleetd.supervisor import reap_orphans, usable_cpus
+from tests import fleet
 from tests.fleet import UpstreamProc, scan_all, seed_items
 
 CONNECTIONS = 200
@@ -44,14 +45,7 @@ _METRICS_LINE = re.compile(r"metrics listening on (http://[0-9.]+:[0-9]+)")
 
 
 def wait_for(what: str, predicate: Callable[[], Any], timeout_s: float, interval_s: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(interval_s)
+    return fleet.wait_for(predicate, timeout_s, interval_s, what)
 
 
 class Run:
