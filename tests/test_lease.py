@@ -173,3 +173,58 @@ def test_bad_table_is_fatal_not_an_exception(cfg: Config) -> None:
             assert r.outcome is Outcome.FATAL
 
     arun(main())
+
+
+def proxied_store(cfg: Config, calls: list[str] | None = None):
+    """A LeaseStore whose DynamoDB traffic goes through a FaultProxy in front of dynalite."""
+    import os
+    from contextlib import asynccontextmanager
+
+    from tests.faults.proxy import FaultProxy, client_via
+
+    @asynccontextmanager
+    async def ctx():
+        proxy = FaultProxy(os.environ["AWS_ENDPOINT_URL_DYNAMODB"], seed=7)
+        url = await proxy.start()
+        try:
+            async with client_via(cfg.aws, "dynamodb", url) as ddb:
+                hook = (lambda op, outcome: calls.append(op)) if calls is not None else (lambda op, outcome: None)
+                yield proxy, ddb, LeaseStore(ddb, cfg.aws, cfg.lease, SystemClock(), on_request=hook)
+        finally:
+            await proxy.stop()
+
+    return ctx()
+
+
+def test_desired_states_survive_unprocessed_keys(cfg: Config) -> None:
+    calls: list[str] = []
+
+    async def main() -> None:
+        async with proxied_store(cfg, calls) as (proxy, ddb, leases):
+            for i in range(250):
+                await put_item(ddb, cfg, f"u{i}")
+            rule = proxy.add("BatchGetItem", "unprocessed", count=6)
+            states = await leases.desired_states([f"u{i}" for i in range(250)])
+            assert rule.fired >= 3, "the proxy must really have answered with UnprocessedKeys"
+            assert all(states[f"u{i}"] is not None for i in range(250))
+            assert calls.count("BatchGetItem") > 3  # the unprocessed halves were asked for again
+
+    arun(main())
+
+
+@pytest.mark.parametrize("mode", ["500", "reset"])
+def test_claim_whose_response_was_lost_is_reported_won(cfg: Config, mode: str) -> None:
+    async def main() -> None:
+        async with proxied_store(cfg) as (proxy, ddb, leases):
+            await put_item(ddb, cfg, "amb")
+            # The first attempt reaches the server and succeeds; its answer is lost.  The SDK's
+            # retry then fails its condition (we already own it): the store must see it was a win.
+            rule = proxy.add("UpdateItem", "drop_response", count=1, mode=mode)
+            result = await leases.claim("amb", "me")
+            assert rule.fired == 1
+            assert result.outcome is Outcome.WON and result.item is not None
+            assert result.item.lease_owner == "me" and result.item.lease_epoch == 1
+            # A plain lost race is still LOST.
+            assert (await leases.claim("amb", "other")).outcome is Outcome.LOST
+
+    arun(main())
