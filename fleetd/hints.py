@@ -8,7 +8,7 @@ reappear on a peer in about a second instead of at the next reconcile.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,23 +65,22 @@ class Hints:
         return hints
 
     async def ack(self, receipts: Iterable[str]) -> None:
-        entries = [{"Id": str(i), "ReceiptHandle": r} for i, r in enumerate(receipts)]
-        for i in range(0, len(entries), SEND_BATCH_MAX):
-            await self.sqs.delete_message_batch(QueueUrl=self.url, Entries=entries[i:i + SEND_BATCH_MAX])
+        for chunk in _chunks(list(receipts)):
+            entries = [{"Id": str(i), "ReceiptHandle": r} for i, r in enumerate(chunk)]
+            await self.sqs.delete_message_batch(QueueUrl=self.url, Entries=entries)
 
     async def give_back(self, receipts: Iterable[str]) -> None:
         """Make hints we cannot take visible to peers at once (we are full)."""
-        entries = [{"Id": str(i), "ReceiptHandle": r, "VisibilityTimeout": 0} for i, r in enumerate(receipts)]
-        for i in range(0, len(entries), SEND_BATCH_MAX):
-            await self.sqs.change_message_visibility_batch(QueueUrl=self.url, Entries=entries[i:i + SEND_BATCH_MAX])
-        self.stats.inc("hints_total", float(len(entries)), kind="returned")
+        handles = list(receipts)
+        for chunk in _chunks(handles):
+            entries = [{"Id": str(i), "ReceiptHandle": r, "VisibilityTimeout": 0} for i, r in enumerate(chunk)]
+            await self.sqs.change_message_visibility_batch(QueueUrl=self.url, Entries=entries)
+        self.stats.inc("hints_total", float(len(handles)), kind="returned")
 
     async def send_start(self, connection_ids: Iterable[str]) -> int:
         """Send START hints in batches; returns how many were accepted (failures are logged)."""
-        ids = list(connection_ids)
         sent = 0
-        for i in range(0, len(ids), SEND_BATCH_MAX):
-            chunk = ids[i:i + SEND_BATCH_MAX]
+        for chunk in _chunks(list(connection_ids)):
             entries = [{"Id": str(j), "MessageBody": start_body(cid)} for j, cid in enumerate(chunk)]
             try:
                 resp = await self.sqs.send_message_batch(QueueUrl=self.url, Entries=entries)
@@ -93,6 +92,12 @@ class Hints:
             sent += ok
             self.stats.inc("hints_total", float(ok), kind="sent")
         return sent
+
+
+def _chunks(items: list[str]) -> Iterator[list[str]]:
+    """SQS batch calls take at most ten entries."""
+    for i in range(0, len(items), SEND_BATCH_MAX):
+        yield items[i:i + SEND_BATCH_MAX]
 
 
 def _parse(body: str) -> str | None:

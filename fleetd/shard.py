@@ -241,7 +241,7 @@ class Shard:
         if outcome is Outcome.LOST:
             # Our session expired (we were partitioned too long): it can never come back.
             log.warning("session lost", extra={"session_id": sid})
-            await self._fence_all("session_lost")
+            self._fence_all("session_lost")
             await self._replace_session()
         return False
 
@@ -271,7 +271,7 @@ class Shard:
             if self.held:
                 log.warning("self-fencing: session not renewed in time", extra={"held": len(self.held)})
                 self.stats.inc("self_fence_total")
-                await self._fence_all("self_fence")
+                self._fence_all("self_fence")
             await self._replace_session()
             return
         if self.cfg.lease.lease_mode == "item":
@@ -279,7 +279,7 @@ class Shard:
                 self.stats.inc("self_fence_total")
                 self._lose(cid, "self_fence")
 
-    async def _fence_all(self, reason: str) -> None:
+    def _fence_all(self, reason: str) -> None:
         for cid in list(self.held):
             self._lose(cid, reason)
 

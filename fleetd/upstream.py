@@ -117,7 +117,6 @@ class Connection:
         "last_received",
         "max_frame_bytes",
         "paused",
-        "reconnects",
         "seq_field",
         "sequenced",
         "sink",
@@ -142,7 +141,6 @@ class Connection:
         self.closing = False
         self.connected = False
         self.paused = False
-        self.reconnects = 0
         self._transport: WSTransport | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -200,7 +198,6 @@ class Connection:
                 return
             if self.clock.monotonic() - started > _STABLE_S:
                 backoff = self.cfg.backoff_min_s
-            self.reconnects += 1
             self.stats.inc("upstream_reconnects_total")
             await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
             backoff = min(backoff * 2, self.cfg.backoff_max_s)
