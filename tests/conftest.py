@@ -14,6 +14,17 @@ from fleetd.devstack import DevStack
 from tests.helpers import arun, init_tables
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--long", action="store_true", default=False,
+                     help="fault suite: run >= 20 randomized trials per scenario instead of the CI few")
+
+
+@pytest.fixture(scope="session")
+def long_run(request: pytest.FixtureRequest) -> bool:
+    """True under ``pytest --long``."""
+    return bool(request.config.getoption("--long"))
+
+
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevStack]:
     """dynalite + moto server for the whole run; their env is exported to this process."""

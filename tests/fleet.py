@@ -1,30 +1,26 @@
-"""Process-level test harness: fake upstream and fleetd processes, item seeding, the audit.
+"""Test-side fleet harness: fast timings and fleetd processes configured from a test's Config.
 
-Integration tests start real processes (``python -m bench.upstream``, ``python -m
-fleetd shard|run``) against the local stack, send them real signals, and judge the
-outcome from what ended up in DynamoDB and what the upstream produced.
+The process plumbing (fake upstream and fleetd children, seeding, scans) and the
+invariant checker live in :mod:`bench.procs` and :mod:`bench.audit`, shared with the
+benchmarks; this module binds them to a test's :class:`~fleetd.config.Config`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import os
-import subprocess
 import sys
-import time
-import urllib.request
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
-import boto3
-import orjson
-
+from bench import audit as _audit
+from bench import procs
+from bench.audit import Audit
+from bench.procs import FleetdProc, UpstreamProc, ddb, scan_all, stop_all, wait_for
 from fleetd import config
 from fleetd.config import Config
-from fleetd.devstack import spawn, terminate
+
+__all__ = ["FAST_TIMINGS", "Audit", "FleetdProc", "UpstreamProc", "audit", "ddb", "fleetd_env", "owners", "scan_all",
+           "seed_items", "start_shard", "stop_all", "wait_for"]
 
 FAST_TIMINGS = {
     "FLEETD_LEASE_TTL_S": "6",
@@ -43,93 +39,6 @@ FAST_TIMINGS = {
 }
 
 
-def wait_for(predicate: Callable[[], Any], timeout_s: float, interval_s: float = 0.1, what: str = "") -> Any:
-    """Poll until ``predicate()`` is truthy; return its value or raise AssertionError."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what or predicate}")
-        time.sleep(interval_s)
-
-
-class UpstreamProc:
-    """``python -m bench.upstream`` with its HTTP control port."""
-
-    def __init__(self, log_dir: Path, rate: float = 5.0, size: int = 120, port: int = 0) -> None:
-        out = log_dir / "upstream.out"
-        self.proc = spawn([sys.executable, "-m", "bench.upstream", "--port", str(port), "--rate", str(rate),
-                           "--size", str(size), "--control-port", "0"], out)
-        lines = wait_for(lambda: _listening(out), 20, what="fake upstream to listen")
-        self.control = lines["control"]
-        self.ws = lines["listening"]
-
-    def url(self, cid: str) -> str:
-        return f"{self.ws}/stream/{cid}"
-
-    def _http(self, method: str, path: str) -> dict[str, Any]:
-        req = urllib.request.Request(self.control + path, method=method, data=b"" if method == "POST" else None)
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return dict(orjson.loads(resp.read()))
-
-    def stats(self) -> dict[str, dict[str, Any]]:
-        return dict(self._http("GET", "/stats")["streams"])
-
-    def post(self, path: str) -> dict[str, Any]:
-        return self._http("POST", path)
-
-    def stop(self) -> None:
-        terminate(self.proc)
-
-
-def _listening(out: Path) -> dict[str, str] | None:
-    if not out.exists():
-        return None
-    found: dict[str, str] = {}
-    for line in out.read_text().splitlines():
-        word, _, rest = line.partition(" ")
-        if word in ("listening", "control"):
-            found[word] = rest.strip()
-    return found if "listening" in found else None
-
-
-@dataclass
-class FleetdProc:
-    """A ``fleetd shard`` or ``fleetd run`` child process with its log."""
-
-    argv: list[str]
-    env: dict[str, str]
-    log_path: Path
-    proc: subprocess.Popen[bytes] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.proc = spawn(self.argv, self.log_path, env=self.env)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def signal(self, sig: int) -> None:
-        os.kill(self.proc.pid, sig)
-
-    def wait(self, timeout_s: float) -> int:
-        return self.proc.wait(timeout_s)
-
-    def logs(self) -> list[dict[str, Any]]:
-        out = []
-        for line in self.log_path.read_text(errors="replace").splitlines():
-            try:
-                out.append(orjson.loads(line))
-            except orjson.JSONDecodeError:
-                out.append({"raw": line})
-        return out
-
-    def stop(self) -> None:
-        terminate(self.proc, timeout_s=15)
-
-
 def fleetd_env(cfg: Config, **overrides: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(config.as_env(cfg))
@@ -144,91 +53,16 @@ def start_shard(cfg: Config, log_dir: Path, index: int, task: str = "task", **ov
                       log_dir / f"shard-{task}-{index}.log")
 
 
-def ddb() -> Any:
-    return boto3.client("dynamodb")
-
 
 def seed_items(cfg: Config, urls: dict[str, str]) -> None:
     """Write STARTED items exactly as ``fleetd ctl start`` does (without hints), fast."""
-    client = ddb()
-    now = str(int(time.time() * 1000))
-    items = [{"PutRequest": {"Item": {
-        "connection_id": {"S": cid}, "desired_state": {"S": "STARTED"}, "ws_url": {"S": url},
-        "lease_expires_at_ms": {"N": "0"}, "lease_epoch": {"N": "0"}, "last_seq": {"N": "0"},
-        "created_at_ms": {"N": now}, "updated_at_ms": {"N": now}}}} for cid, url in urls.items()]
-    for i in range(0, len(items), 25):
-        batch = {cfg.aws.connections_table: items[i:i + 25]}
-        while batch:
-            batch = client.batch_write_item(RequestItems=batch).get("UnprocessedItems") or {}
-
-
-def scan_all(table: str, **kwargs: Any) -> list[dict[str, Any]]:
-    client = ddb()
-    items: list[dict[str, Any]] = []
-    start: dict[str, Any] | None = None
-    while True:
-        args = dict(kwargs, TableName=table)
-        if start:
-            args["ExclusiveStartKey"] = start
-        resp = client.scan(**args)
-        items += resp.get("Items", [])
-        start = resp.get("LastEvaluatedKey")
-        if not start:
-            return items
+    procs.seed_items(cfg.aws.connections_table, urls)
 
 
 def owners(cfg: Config) -> dict[str, str]:
     """connection_id → lease_owner ('' when free)."""
-    return {i["connection_id"]["S"]: i.get("lease_owner", {}).get("S", "")
-            for i in scan_all(cfg.aws.connections_table, ConsistentRead=True)}
-
-
-@dataclass
-class Audit:
-    """What the messages table says about each connection."""
-
-    seqs: dict[str, set[int]]
-    writers: dict[str, dict[str, tuple[int, int]]]  # connection → session → (first, last) received_at_ms
-
-    def missing(self, produced: dict[str, int] | None = None) -> dict[str, list[int]]:
-        """Seqs absent between 1 and the last written (capped by ``produced``) one."""
-        out: dict[str, list[int]] = {}
-        for cid, got in self.seqs.items():
-            if not got:
-                continue
-            top = max(got) if produced is None else min(produced.get(cid, max(got)), max(got))
-            gaps = [s for s in range(1, top + 1) if s not in got]
-            if gaps:
-                out[cid] = gaps
-        return out
-
-    def overlaps(self, margin_ms: int) -> dict[str, list[tuple[str, str]]]:
-        """Connections where two sessions wrote during overlapping windows (beyond ``margin_ms``)."""
-        bad: dict[str, list[tuple[str, str]]] = {}
-        for cid, by_session in self.writers.items():
-            spans = sorted(by_session.items(), key=lambda kv: kv[1][0])
-            for (s1, (_, end1)), (s2, (start2, _)) in itertools.pairwise(spans):
-                if start2 < end1 - margin_ms:
-                    bad.setdefault(cid, []).append((s1, s2))
-        return bad
+    return procs.owners(cfg.aws.connections_table)
 
 
 def audit(cfg: Config, ids: Iterable[str] | None = None) -> Audit:
-    wanted = set(ids) if ids is not None else None
-    seqs: dict[str, set[int]] = {}
-    writers: dict[str, dict[str, tuple[int, int]]] = {}
-    for item in scan_all(cfg.aws.messages_table):
-        cid = item["connection_id"]["S"]
-        if wanted is not None and cid not in wanted:
-            continue
-        seqs.setdefault(cid, set()).add(int(item["seq"]["N"]))
-        sess, at = item["session_id"]["S"], int(item["received_at_ms"]["N"])
-        first, last = writers.setdefault(cid, {}).get(sess, (at, at))
-        writers[cid][sess] = (min(first, at), max(last, at))
-    return Audit(seqs, writers)
-
-
-def stop_all(*procs: FleetdProc | UpstreamProc) -> None:
-    for p in procs:
-        with contextlib.suppress(Exception):
-            p.stop()
+    return _audit.audit(cfg.aws.messages_table, ids)

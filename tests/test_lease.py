@@ -180,7 +180,7 @@ def proxied_store(cfg: Config, calls: list[str] | None = None):
     import os
     from contextlib import asynccontextmanager
 
-    from tests.faults.proxy import FaultProxy, client_via
+    from bench.faults.proxy import FaultProxy, client_via
 
     @asynccontextmanager
     async def ctx():

@@ -14,13 +14,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench.faults.proxy import FaultProxy, client_via
 from fleetd import config
 from fleetd.clock import SystemClock
 from fleetd.config import Config
 from fleetd.devstack import DevStack
 from fleetd.sink import ITEM_MAX_BYTES, Cursor, Sink
 from fleetd.stats import Stats
-from tests.faults.proxy import FaultProxy, client_via
 from tests.helpers import arun, clients, init_tables
 
 SESSION = "task-1/0/nonce"
