@@ -44,15 +44,17 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import json
 import random
 import socket
 import struct
+import threading
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs
 
 import aiohttp
@@ -65,6 +67,7 @@ from fleetd.config import AwsConfig
 
 ACTIONS = frozenset({"latency", "error500", "error503", "throttle", "drop_response", "reset", "blackhole",
                      "unprocessed"})
+T = TypeVar("T")
 DYNAMODB_ERROR_PREFIX = "com.amazonaws.dynamodb.v20120810#"
 # Headers that describe one hop, not the message: never copied across the proxy.
 _HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive",
@@ -376,3 +379,79 @@ async def client_via(aws: AwsConfig, service: str, url: str,
     async with get_session().create_client(service, region_name=region_of(aws), endpoint_url=url,
                                            config=conf) as client:
         yield client
+
+
+class ProxyThread:
+    """A :class:`FaultProxy` on its own thread and event loop, for child processes to talk through.
+
+    Fault tests and benchmarks run fleetd as separate processes; point their
+    ``AWS_ENDPOINT_URL_*`` at :attr:`url`.  ``add`` / ``clear`` / ``remove`` are safe to
+    call from the caller's thread (they run on the proxy's loop)::
+
+        with ProxyThread(os.environ["AWS_ENDPOINT_URL_DYNAMODB"]) as px:
+            env["AWS_ENDPOINT_URL_DYNAMODB"] = px.url
+            rule = px.add("UpdateItem", "drop_response", probability=0.2)
+    """
+
+    def __init__(self, upstream_url: str, seed: int | None = None) -> None:
+        self.proxy = FaultProxy(upstream_url, seed)
+        self.url = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> str:
+        started: concurrent.futures.Future[str] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(started,), name="fault-proxy", daemon=True)
+        self._thread.start()
+        self.url = started.result(timeout=30)
+        return self.url
+
+    def _run(self, started: concurrent.futures.Future[str]) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            started.set_result(loop.run_until_complete(self.proxy.start()))
+            loop.run_forever()
+            loop.run_until_complete(self.proxy.stop())
+        except BaseException as e:  # the caller waits on `started`: never leave it hanging
+            if not started.done():
+                started.set_exception(e)
+            raise
+        finally:
+            loop.close()
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        assert self._loop is not None, "ProxyThread.start() was not called"
+
+        async def run() -> T:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout=30)
+
+    def add(self, op: str | None, action: str, probability: float = 1.0, count: int | None = None,
+            **params: Any) -> Rule:
+        return self._call(lambda: self.proxy.add(op, action, probability, count, **params))
+
+    def remove(self, rule: Rule) -> None:
+        self._call(lambda: self.proxy.remove(rule))
+
+    def clear(self) -> None:
+        self._call(self.proxy.clear)
+
+    @property
+    def calls(self) -> collections.Counter[str]:
+        """Requests per operation so far (a copy)."""
+        return self._call(lambda: collections.Counter(self.proxy.calls))
+
+    def stop(self) -> None:
+        if self._loop is not None and self._thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            self._loop = None
+
+    def __enter__(self) -> ProxyThread:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
