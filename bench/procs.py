@@ -38,8 +38,10 @@ def wait_for(predicate: Callable[[], Any], timeout_s: float, interval_s: float =
 class UpstreamProc:
     """``python -m bench.upstream`` with its HTTP control port."""
 
-    def __init__(self, log_dir: Path, rate: float = 5.0, size: int = 120, port: int = 0) -> None:
-        out = log_dir / "upstream.out"
+    def __init__(self, log_dir: Path, rate: float = 5.0, size: int = 120, port: int = 0,
+                 name: str = "upstream") -> None:
+        out = log_dir / f"{name}.out"
+        out.unlink(missing_ok=True)  # a stale file from an earlier run would announce a dead port
         self.proc = spawn([sys.executable, "-m", "bench.upstream", "--port", str(port), "--rate", str(rate),
                            "--size", str(size), "--control-port", "0"], out)
         lines = wait_for(lambda: _listening(out), 20, what="fake upstream to listen")

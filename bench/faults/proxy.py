@@ -393,8 +393,8 @@ class ProxyThread:
             rule = px.add("UpdateItem", "drop_response", probability=0.2)
     """
 
-    def __init__(self, upstream_url: str, seed: int | None = None) -> None:
-        self.proxy = FaultProxy(upstream_url, seed)
+    def __init__(self, upstream_url: str, seed: int | None = None, proxy: FaultProxy | None = None) -> None:
+        self.proxy = proxy if proxy is not None else FaultProxy(upstream_url, seed)
         self.url = ""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

@@ -1,0 +1,290 @@
+"""``report.md`` and PNG plots from a bench run's results (fleetd and the baseline side by side)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt
+
+Doc = dict[str, Any]
+
+
+def write(out: Path, doc: Doc) -> None:
+    res = doc["results"]
+    sections: list[str] = [header(doc), targets(res)]
+    makers: list[tuple[str, Callable[[Path, dict[str, Any]], str]]] = [
+        ("density", density_section), ("throughput", throughput_section),
+        ("failover", failover_section), ("cost", cost_section)]
+    for name, make in makers:
+        if name in res:
+            sections.append(make(out, res[name]))
+    (out / "report.md").write_text("\n\n".join(sections) + "\n")
+
+
+def header(doc: Doc) -> str:
+    m = doc["machine"]
+    return (f"# fleetd vs the seed design — bench report\n\nProfile `{doc['profile']}`, {doc['date']}, "
+            f"{m['cpus']} CPUs, {m['memory_gib']} GiB, Python {m['python']}. Local servers on loopback "
+            "(dynalite for DynamoDB, moto for SQS); both systems read the same tables through the same "
+            "metering proxy and stream from the same fake upstreams. Produced by `python -m bench.run`; "
+            "raw numbers in `results.json`.")
+
+
+def table(head: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(fmt(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def fmt(v: Any) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b not in (None, 0) else None
+
+
+# ----- targets ---------------------------------------------------------------------------------------
+
+def targets(res: dict[str, Any]) -> str:
+    rows: list[list[Any]] = []
+    d = res.get("density", {}).get("points", [])
+    f = [p for p in d if p["system"] == "fleetd"]
+    b = [p for p in d if p["system"] == "baseline"]
+    if f:
+        held = max((p["connections"] for p in f if p["held"]), default=0)
+        rows.append(["connections per shard", "≥ 5,000", held, held >= 5000])
+        rss = max(p["rss_per_connection_bytes"] for p in f if p["held"]) / 1024 if held else None
+        rows.append(["RSS per idle connection (KiB, worst point)", "≤ 40", rss, rss is not None and rss <= 40])
+    if f and b:
+        fb = {p["connections"]: p for p in f}
+        same = [p for p in b if p["connections"] in fb and p["held"]]
+        if same:
+            p = same[0]
+            r_cpu = ratio(p["cpu_ms_per_connection_minute"], fb[p["connections"]]["cpu_ms_per_connection_minute"])
+            rows.append([f"CPU per connection-minute, baseline ÷ fleetd at {p['connections']}", "≥ 10×", r_cpu,
+                         r_cpu is not None and r_cpu >= 10])
+            r_calls = ratio(p["dynamodb_calls_per_connection_minute"],
+                            fb[p["connections"]]["dynamodb_calls_per_connection_minute"])
+            rows.append(["DynamoDB calls per connection-minute, baseline ÷ fleetd", "≥ 10×", r_calls,
+                         r_calls is not None and r_calls >= 10])
+        bmax = max((p["connections"] for p in b if p["held"]), default=0)
+        fmax = max((p["connections"] for p in f if p["held"]), default=0)
+        r = ratio(float(fmax), float(bmax)) if bmax else None
+        rows.append(["connections per CPU, fleetd ÷ baseline (largest point held)", "≥ 10×", r,
+                     r is not None and r >= 10])
+    for lad in res.get("throughput", {}).get("ladders", []):
+        if lad["system"] == "fleetd" and lad["sink"] == "discard":
+            v = lad["max_ingest_msgs_s"]
+            rows.append(["msgs/s per shard, discard sink", "≥ 150,000", v, v >= 150_000])
+    fo = res.get("failover", {}).get("fleetd", {}).get("summary", {})
+    for event, goal in (("sigterm_task", 2.0), ("sigkill_shard", 3.0), ("sigkill_task", 27.0)):
+        if event in fo:
+            v = fo[event]["p99_s"]
+            rows.append([f"recovery p99, {event}", f"≤ {goal:g} s", v, v is not None and v <= goal])
+    if fo:
+        bad = sum(s["missing_seqs"] + s["double_streaming"] for s in fo.values())
+        rows.append(["missing seqs + double streaming, all trials", "0", bad, bad == 0])
+    c = res.get("cost", {}).get("baseline_over_fleetd", {})
+    if c:
+        v = c.get("coordination_units")
+        rows.append(["coordination request units per connection-hour, baseline ÷ fleetd", "≥ 20×", v,
+                     v is not None and v >= 20])
+    return "## Targets (fleetd)\n\n" + table(["figure", "target", "measured", "met"], rows)
+
+
+# ----- density ---------------------------------------------------------------------------------------
+
+def density_section(out: Path, res: dict[str, Any]) -> str:
+    pts = res["points"]
+    rows = [[p["system"], p["connections"], p["held"], p["seconds_to_all_connected"],
+             p["rss_per_connection_bytes"] / 1024, p["cpu_ms_per_connection_minute"],
+             p["dynamodb_calls_per_connection_minute"], p["rss_bytes"] / 2**20] for p in pts]
+    ops = sorted({op for p in pts for op in p["calls_per_connection_minute_by_op"]})
+    op_rows = [[p["system"], p["connections"], *[p["calls_per_connection_minute_by_op"].get(o, 0.0) for o in ops]]
+               for p in pts]
+    plot_density(out, pts)
+    return ("## Density (idle-ish: 1 msg / 10 s per connection, one shard / one baseline process)\n\n"
+            + table(["system", "connections", "held all", "s to all connected", "RSS KiB / conn",
+                     "CPU ms / conn-min", "DynamoDB calls / conn-min", "RSS MiB total"], rows)
+            + "\n\nDynamoDB calls per connection-minute by operation:\n\n"
+            + table(["system", "connections", *ops], op_rows)
+            + "\n\n" + ratios_density(pts) + "\n\n![density](density.png)")
+
+
+def ratios_density(pts: list[dict[str, Any]]) -> str:
+    f = {p["connections"]: p for p in pts if p["system"] == "fleetd"}
+    rows = []
+    for p in pts:
+        if p["system"] == "baseline" and p["connections"] in f:
+            q = f[p["connections"]]
+            rows.append([p["connections"], ratio(p["rss_per_connection_bytes"], q["rss_per_connection_bytes"]),
+                         ratio(p["cpu_ms_per_connection_minute"], q["cpu_ms_per_connection_minute"]),
+                         ratio(p["dynamodb_calls_per_connection_minute"], q["dynamodb_calls_per_connection_minute"])])
+    return "Ratios, baseline ÷ fleetd:\n\n" + table(["connections", "RSS / conn", "CPU / conn-min",
+                                                     "calls / conn-min"], rows)
+
+
+def plot_density(out: Path, pts: list[dict[str, Any]]) -> None:
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    metrics = (("rss_per_connection_bytes", "RSS per connection (KiB)", 1 / 1024),
+               ("cpu_ms_per_connection_minute", "CPU ms per connection-minute", 1.0),
+               ("dynamodb_calls_per_connection_minute", "DynamoDB calls per connection-minute", 1.0))
+    for ax, (key, title, scale) in zip(axes, metrics, strict=True):
+        for system in ("fleetd", "baseline"):
+            xs = [p["connections"] for p in pts if p["system"] == system]
+            ys = [p[key] * scale for p in pts if p["system"] == system]
+            ax.plot(xs, ys, marker="o", label=system)
+        ax.set_title(title)
+        ax.set_xlabel("connections")
+        ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "density.png", dpi=100)
+    plt.close(fig)
+
+
+# ----- throughput ------------------------------------------------------------------------------------
+
+def throughput_section(out: Path, res: dict[str, Any]) -> str:
+    rows = []
+    for lad in res["ladders"]:
+        for s in lad["steps"]:
+            lag = s.get("upstream_to_receive_ms") or {}
+            sink = s.get("sink_latency_s") or {}
+            rows.append([lad["system"], lad["sink"], s["rate_per_connection"], s["offered_msgs_s"],
+                         s["ingest_msgs_s"], f"{s['held_at_end']}/{s['connections']}", s["cpu_percent"],
+                         lag.get("p50"), lag.get("p99"),
+                         _ms(sink.get("p50")), _ms(sink.get("p99"))])
+    best = {(lad["system"], lad["sink"]): lad["max_sustained_msgs_s"] for lad in res["ladders"]}
+    summary = [[k[0], k[1], v] for k, v in best.items()]
+    r = ratio(best.get(("fleetd", "dynamodb")), best.get(("baseline", "dynamodb")))
+    plot_throughput(out, res)
+    return (f"## Throughput ({res['connections']} connections, one shard / one baseline process)\n\n"
+            + table(["system", "sink", "msgs/s/conn", "offered msgs/s", "ingest msgs/s", "streams held", "CPU %",
+                     "upstream→receive p50 ms", "p99 ms", "receive→durable p50 ms (≤ bucket)", "p99 ms"], rows)
+            + "\n\nHighest sustained rate (ingest ≥ 90 % of offered):\n\n"
+            + table(["system", "sink", "msgs/s"], summary)
+            + f"\n\nDynamoDB sink, fleetd ÷ baseline: {fmt(r)}×.\n\n![throughput](throughput.png)")
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else v * 1000.0
+
+
+def plot_throughput(out: Path, res: dict[str, Any]) -> None:
+    fig, ax = plt.subplots(figsize=(8, 5))
+    top = 1.0
+    for lad in res["ladders"]:
+        xs = [s["offered_msgs_s"] for s in lad["steps"]]
+        ys = [s["ingest_msgs_s"] for s in lad["steps"]]
+        top = max(top, *xs, *ys)
+        ax.plot(xs, ys, marker="o", label=f"{lad['system']} / {lad['sink']}")
+    ax.plot([1, top], [1, top], linestyle=":", color="grey", label="ingest = offered")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("offered msgs/s")
+    ax.set_ylabel("ingested msgs/s")
+    ax.set_title("Ingest vs offered load")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=100)
+    plt.close(fig)
+
+
+# ----- failover --------------------------------------------------------------------------------------
+
+def failover_section(out: Path, res: dict[str, Any]) -> str:
+    rows = []
+    for system in ("fleetd", "baseline"):
+        for event, s in res.get(system, {}).get("summary", {}).items():
+            rows.append([system, event, s["trials"], s["streams"], s["unrecovered"], s["p50_s"], s["p99_s"],
+                         s["max_s"], s["missing_seqs"], s["double_streaming"]])
+    finals = [[system, res[system]["final_audit"]["missing_seqs"], res[system]["final_audit"]["double_streaming"],
+               res[system]["final_audit"]["redelivered"], res[system]["final_audit"]["written"]]
+              for system in ("fleetd", "baseline") if system in res]
+    ratio_rows = []
+    fs, bs = res.get("fleetd", {}).get("summary", {}), res.get("baseline", {}).get("summary", {})
+    for event in ("sigterm_task", "sigkill_task"):
+        if event in fs and event in bs:
+            ratio_rows.append([event, fs[event]["p99_s"], bs[event]["p99_s"], ratio(bs[event]["p99_s"],
+                                                                                  fs[event]["p99_s"])])
+    plot_failover(out, res)
+    return ("## Failover (three tasks sharing the connections)\n\nRecovery = time from the event until a new "
+            "socket is attached to the stream (it resumes with `from_seq`), per affected stream, polled every "
+            "0.1 s.\n\n"
+            + table(["system", "event", "trials", "streams affected", "unrecovered", "p50 s", "p99 s", "max s",
+                     "missing seqs", "double streaming"], rows)
+            + "\n\nRecovery p99, fleetd vs baseline:\n\n" + table(["event", "fleetd s", "baseline s",
+                                                                    "baseline ÷ fleetd"], ratio_rows)
+            + "\n\nWhole messages table audited at the end (`bench.audit`):\n\n"
+            + table(["system", "missing seqs", "double streaming", "redelivered frames", "items"], finals)
+            + "\n\n![failover](failover.png)")
+
+
+def plot_failover(out: Path, res: dict[str, Any]) -> None:
+    series = [(f"{system}\n{e}", [x for t in res[system]["trials"] if t["event"] == e for x in t["recovery_times_s"]])
+              for system in ("fleetd", "baseline") if system in res
+              for e in dict.fromkeys(t["event"] for t in res[system]["trials"])]
+    series = [(label, xs) for label, xs in series if xs]
+    fig, ax = plt.subplots(figsize=(10, 5))
+    if series:
+        ax.boxplot([xs for _, xs in series], whis=(0, 99))
+        ax.set_xticks(range(1, len(series) + 1), [label for label, _ in series], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("seconds until the stream has a socket again")
+    ax.set_title("Recovery time per affected stream (whiskers: min / p99)")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "failover.png", dpi=100)
+    plt.close(fig)
+
+
+# ----- cost ------------------------------------------------------------------------------------------
+
+def cost_section(out: Path, res: dict[str, Any]) -> str:
+    rows = res["per_connection_hour"]
+    keys = list(rows["fleetd"])
+    table_rows = [[k, rows["fleetd"][k], rows["baseline"][k], res["baseline_over_fleetd"].get(k)] for k in keys]
+    plot_cost(out, res)
+    basis = res["price_basis"]
+    return (f"## Cost (per connection-hour, measured at {res['connections']} connections)\n\n"
+            f"Price basis: ${basis['usd_per_million_write_units']:.2f} per million write units, "
+            f"${basis['usd_per_million_read_units']:.2f} per million read units. Base-table units as dynalite "
+            "reports them, GSI writes modelled from each write's expression (see `bench/meter.py`).\n\n"
+            + table(["per connection-hour", "fleetd", "baseline", "baseline ÷ fleetd"], table_rows)
+            + "\n\n![cost](cost.png)")
+
+
+def plot_cost(out: Path, res: dict[str, Any]) -> None:
+    rows = res["per_connection_hour"]
+    systems = ["fleetd", "baseline"]
+    parts = [("coordination_write_units", "coordination writes (incl. GSI)"),
+             ("coordination_read_units", "coordination reads"), ("message_write_units", "message writes")]
+    fig, ax = plt.subplots(figsize=(7, 5))
+    bottom = [0.0, 0.0]
+    for key, label in parts:
+        vals = [rows[s][key] for s in systems]
+        ax.bar(systems, vals, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax.set_ylabel("request units per connection-hour")
+    ax.set_title("DynamoDB request units per connection-hour")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "cost.png", dpi=100)
+    plt.close(fig)

@@ -1,0 +1,85 @@
+"""``python -m bench.run --scenario NAME --out DIR [--quick | --smoke]``: fleetd vs the seed design.
+
+Scenarios: ``density``, ``throughput``, ``failover``, ``cost`` or ``all``.  The
+run starts its own local stack (dynalite + moto), fake upstreams and systems under
+test, shows progress on stderr, stops every process it started, and writes
+``DIR/results.json``, ``DIR/report.md`` and PNG plots.  ``--smoke`` is the CI
+size (≤ 3 minutes for ``all``, short leases); ``--quick`` ≤ 15 minutes; neither
+flag: the full run whose results are committed under ``bench/results/<date>/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from bench import cost, density, failover, report, throughput
+from bench.common import PROFILES, Context, opened
+
+SCENARIOS = ("density", "throughput", "failover", "cost")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0] if __doc__ else "")
+    p.add_argument("--scenario", required=True, choices=(*SCENARIOS, "all"))
+    p.add_argument("--out", type=Path, required=True, help="directory for results.json, report.md, plots")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="all scenarios in <= 15 minutes")
+    size.add_argument("--smoke", action="store_true", help="CI size: <= 3 minutes, asserts invariants only")
+    return p.parse_args(argv)
+
+
+def run_scenarios(ctx: Context, names: tuple[str, ...]) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    steps: dict[str, Callable[[], dict[str, Any]]] = {
+        "density": lambda: density.run(ctx),
+        "throughput": lambda: throughput.run(ctx),
+        "failover": lambda: failover.run(ctx),
+        "cost": lambda: cost.run(ctx, results.get("density")),
+    }
+    for name in names:
+        t0 = time.monotonic()
+        ctx.progress(f"scenario {name}: start")
+        results[name] = steps[name]()
+        results[name]["duration_s"] = round(time.monotonic() - t0, 1)
+        ctx.progress(f"scenario {name}: done in {results[name]['duration_s']} s")
+        write(ctx.out, results, ctx.profile.name)  # partial results survive a later failure
+    return results
+
+
+def write(out: Path, results: dict[str, Any], profile: str) -> None:
+    doc = {"profile": profile, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "machine": machine(), "results": results}
+    (out / "results.json").write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+    report.write(out, doc)
+
+
+def machine() -> dict[str, Any]:
+    import os
+
+    import psutil
+
+    return {"cpus": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+            "python": platform.python_version(), "platform": platform.platform()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    profile = PROFILES["smoke" if args.smoke else "quick" if args.quick else "full"]
+    names = SCENARIOS if args.scenario == "all" else (args.scenario,)
+    with opened(args.out, profile) as ctx:
+        ctx.progress(f"bench {args.scenario} ({profile.name}) → {args.out}")
+        run_scenarios(ctx, names)
+        ctx.progress(f"done: {args.out / 'report.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
