@@ -45,16 +45,15 @@ class Profile:
 
 PROFILES = {
     "smoke": Profile("smoke", (100,), 12.0, 100, (5.0,), 3.0, 60, 1, 1.0, True),
-    "quick": Profile("quick", (700, 2000, 5000), 20.0, 700, (1.0, 10.0, 50.0, 100.0, 200.0, 300.0), 6.0,
-                     600, 2, 0.5, False),
-    "full": Profile("full", (700, 2000, 5000), 60.0, 700, (1.0, 5.0, 10.0, 50.0, 100.0, 200.0, 300.0), 15.0,
+    "quick": Profile("quick", (700, 2000, 5000), 15.0, 700, (1.0, 50.0, 300.0), 5.0, 600, 2, 0.5, False),
+    "full": Profile("full", (700, 2000, 5000), 60.0, 700, (1.0, 10.0, 50.0, 100.0, 200.0, 300.0, 500.0), 15.0,
                     1500, 20, 0.2, False),
 }
 
 # Product timings shortened for the smoke profile (CI), for fleetd and the baseline alike.
 FAST_FLEETD = {"FLEETD_LEASE_TTL_S": "6", "FLEETD_HEARTBEAT_S": "1", "FLEETD_SAFETY_MARGIN_S": "1",
                "FLEETD_RECONCILE_S": "1", "FLEETD_DESIRED_STATE_S": "1", "FLEETD_CHECKPOINT_S": "1",
-               "FLEETD_HINT_WAIT_S": "1", "FLEETD_SHUTDOWN_BUDGET_S": "8"}
+               "FLEETD_CHECKPOINT_IDLE_S": "1", "FLEETD_HINT_WAIT_S": "1", "FLEETD_SHUTDOWN_BUDGET_S": "8"}
 FAST_BASELINE = ("--heartbeat-s", "1", "--lease-ttl-s", "6", "--safety-margin-s", "1", "--reconcile-s", "2",
                  "--desired-state-s", "1")
 

@@ -71,10 +71,10 @@ def fleetd_task(task_id: str, shards: int, tables: Tables, log_dir: Path, env: d
                 **settings: str) -> tuple[System, str]:
     """``fleetd run`` as one ECS task would; returns it and its metrics URL."""
     addr = f"127.0.0.1:{free_port()}"
-    child_env = dict(env, **FLEETD_BENCH_ENV, FLEETD_TASK_ID=task_id, FLEETD_SHARDS=str(shards),
-                     FLEETD_METRICS_ADDR=addr, FLEETD_CONNECTIONS_TABLE=tables.connections,
-                     FLEETD_SESSIONS_TABLE=tables.sessions, FLEETD_MESSAGES_TABLE=tables.messages,
-                     FLEETD_HINTS_QUEUE=tables.queue, **settings)
+    child_env = dict(env, **FLEETD_BENCH_ENV)
+    child_env.update(FLEETD_TASK_ID=task_id, FLEETD_SHARDS=str(shards), FLEETD_METRICS_ADDR=addr,
+                     FLEETD_CONNECTIONS_TABLE=tables.connections, FLEETD_SESSIONS_TABLE=tables.sessions,
+                     FLEETD_MESSAGES_TABLE=tables.messages, FLEETD_HINTS_QUEUE=tables.queue, **settings)
     system = System(f"fleetd:{task_id}", [sys.executable, "-m", "fleetd", "run"], child_env,
                     log_dir / f"fleetd-{task_id}.log")
     return system, f"http://{addr}/metrics"
