@@ -47,7 +47,7 @@ PROFILES = {
     "smoke": Profile("smoke", (100,), 12.0, 100, (5.0,), 3.0, 60, 1, 1.0, True),
     "quick": Profile("quick", (700, 2000, 5000), 15.0, 700, (1.0, 50.0, 300.0), 5.0, 600, 2, 0.5, False),
     "full": Profile("full", (700, 2000, 5000), 60.0, 700, (1.0, 10.0, 50.0, 100.0, 200.0, 300.0, 500.0), 15.0,
-                    1500, 20, 0.2, False),
+                    1500, 20, 0.1, False),
 }
 
 # Product timings shortened for the smoke profile (CI), for fleetd and the baseline alike.

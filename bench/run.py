@@ -3,7 +3,8 @@
 Scenarios: ``density``, ``throughput``, ``failover``, ``cost`` or ``all``.  The
 run starts its own local stack (dynalite + moto), fake upstreams and systems under
 test, shows progress on stderr, stops every process it started, and writes
-``DIR/results.json``, ``DIR/report.md`` and PNG plots.  ``--smoke`` is the CI
+``DIR/results.json``, ``DIR/report.md`` and PNG plots.  Results of other scenarios
+already in ``DIR`` (same profile) are kept, so scenarios can be run one at a time.  ``--smoke`` is the CI
 size (≤ 3 minutes for ``all``, short leases); ``--quick`` ≤ 15 minutes; neither
 flag: the full run whose results are committed under ``bench/results/<date>/``.
 """
@@ -36,8 +37,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def earlier(out: Path, profile: str) -> dict[str, Any]:
+    """Results of other scenarios already in ``out`` from a run of the same profile (kept and reported)."""
+    try:
+        doc = orjson.loads((out / "results.json").read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return {}
+    return dict(doc["results"]) if doc.get("profile") == profile else {}
+
+
 def run_scenarios(ctx: Context, names: tuple[str, ...]) -> dict[str, Any]:
-    results: dict[str, Any] = {}
+    results = {k: v for k, v in earlier(ctx.out, ctx.profile.name).items() if k not in names}
     steps: dict[str, Callable[[], dict[str, Any]]] = {
         "density": lambda: density.run(ctx),
         "throughput": lambda: throughput.run(ctx),
@@ -49,6 +59,7 @@ def run_scenarios(ctx: Context, names: tuple[str, ...]) -> dict[str, Any]:
         ctx.progress(f"scenario {name}: start")
         results[name] = steps[name]()
         results[name]["duration_s"] = round(time.monotonic() - t0, 1)
+        results[name]["finished"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         ctx.progress(f"scenario {name}: done in {results[name]['duration_s']} s")
         write(ctx.out, results, ctx.profile.name)  # partial results survive a later failure
     return results
