@@ -13,7 +13,10 @@ single buffer and written with one transport write: picows sending one frame per
 0.2 M frames/s (NOTES.md), raw batched writes go well beyond that.
 
 Chaos hooks for tests: :meth:`FakeUpstream.drop_all`, :meth:`~FakeUpstream.set_stall`,
-:meth:`~FakeUpstream.refuse`, :meth:`~FakeUpstream.inject`, :meth:`~FakeUpstream.stop_stream`.
+:meth:`~FakeUpstream.refuse`, :meth:`~FakeUpstream.hold_close`, :meth:`~FakeUpstream.inject`,
+:meth:`~FakeUpstream.stop_stream`, and for
+fuzzing :meth:`~FakeUpstream.send_frames` (arbitrary raw frames: any opcode, FIN/RSV bits, masking,
+fragments) and :meth:`~FakeUpstream.dribble` (a fragmented message that never ends).
 ``python -m bench.upstream --help`` runs it as a process with an optional HTTP control port.
 """
 
@@ -21,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import binascii
 import contextlib
 import logging
 import math
@@ -58,6 +63,14 @@ MAX_FRAMES_PER_WRITE: Final = 4096
 CLOSE_GRACE_S: Final = 2.0
 
 _FIN_TEXT: Final = 0x81  # FIN bit + TEXT opcode; server frames are never masked (RFC 6455 §5.1)
+_TEXT_MORE: Final = 0x01  # TEXT opcode without FIN: the first fragment of a message
+_CONTINUATION_MORE: Final = 0x00
+_CONTINUATION_FIN: Final = 0x80
+# Largest request body the control endpoint reads (/frames batches; big payloads use "pad").
+CONTROL_MAX_BODY: Final = 16 << 20
+
+RawFrame = tuple[int, bytes, bool]
+"""A frame for :meth:`FakeUpstream.send_frames`: (first header byte = FIN|RSV|opcode, payload, masked)."""
 
 log = logging.getLogger("bench.upstream")
 
@@ -69,6 +82,17 @@ def ws_frame_header(payload_len: int, first_byte: int = _FIN_TEXT) -> bytes:
     if payload_len < 65536:
         return struct.pack("!BBH", first_byte, 126, payload_len)
     return struct.pack("!BBQ", first_byte, 127, payload_len)
+
+
+def encode_raw_frame(first_byte: int, payload: bytes, masked: bool = False) -> bytes:
+    """Any frame a broken server could send, e.g. a masked one (forbidden from servers) or a bare fragment.
+
+    A masked frame uses the all-zero key, so its payload bytes stay as given.
+    """
+    header = ws_frame_header(len(payload), first_byte & 0xFF)
+    if masked:
+        header = bytes((header[0], header[1] | 0x80)) + header[2:] + b"\0\0\0\0"
+    return header + payload
 
 
 def make_payload(seq: int, ts_ms: int, size: int) -> bytes:
@@ -141,6 +165,13 @@ class _Client(WSListener):
         self.paused = False  # write backpressure: the kernel and transport buffers are full
         self.gone = False
         self.slot = -1  # tick index of the wheel bucket this client is queued in, -1 = parked
+        self.sealed = False  # send_frames(seal=True) / dribble: no more injected frames for this client
+        self.dribble_left = 0  # bytes of an endless fragmented message still to send (blocks real frames)
+        self.dribble_chunk = 0
+
+    def injectable(self) -> bool:
+        """Writable and not sealed by an earlier fuzz frame (which presumably made the client hang up)."""
+        return self.writable() and not self.sealed and self.dribble_left == 0
 
     def writable(self) -> bool:
         tr = self.transport
@@ -157,6 +188,8 @@ class _Client(WSListener):
             if not self.up.stalled:
                 transport.send_pong(frame.get_payload_as_bytes())
         elif kind == WSMsgType.CLOSE:
+            if self.up.holding_close:
+                return  # a peer that never answers CLOSE: the client must give up on its own
             # picows never answers a CLOSE itself; echo it unless we started the handshake.
             if not transport.is_close_frame_sent:
                 code = frame.get_close_code()
@@ -203,6 +236,7 @@ class FakeUpstream:
         self.stalled = stalled
         self.refusing = refusing
         self.refused_total = 0
+        self.holding_close = False  # hold_close(): client CLOSE frames go unanswered
         self._streams: dict[str, _Stream] = {}
         self._clients: set[_Client] = set()
         # Timing wheel: tick index -> clients whose next frame is due by then.  Entries go stale when a
@@ -317,6 +351,11 @@ class FakeUpstream:
         """Refusing: every handshake is answered with HTTP 503."""
         self.refusing = on
 
+    def hold_close(self, on: bool = True) -> None:
+        """Holding: a client's CLOSE is neither echoed nor followed by a disconnect (data keeps flowing),
+        so a polite client close lasts its full timeout, as with a sluggish real server."""
+        self.holding_close = on
+
     def inject(self, stream_id: str, kind: InjectKind, payload: bytes | None = None) -> int:
         """Send one bad frame to the clients of ``stream_id``; returns how many clients got it.
 
@@ -333,10 +372,59 @@ class FakeUpstream:
         sent = 0
         for client in stream.clients:
             tr = client.transport
-            if tr is not None and client.writable():
+            if tr is not None and client.injectable():
                 if not self.stalled:
                     self._write_due(client, time.monotonic())
                 tr.send(msg_type, body)
+                sent += 1
+        return sent
+
+    def send_frames(self, stream_id: str, frames: list[RawFrame], *, seal: bool = False) -> int:
+        """Write ``frames`` (raw, in one write) to each client of ``stream_id``; returns how many got them.
+
+        Frames already due are flushed first (unless stalled), and nothing comes between the given frames,
+        so a fragmented message can be sent whole.  ``seal``: the last frame should make the client hang up
+        (oversized, protocol error), so no later injection goes to that client — frames sent after it would
+        be lost in its close, and a fuzzer could not tell what the client must have seen.
+        """
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            return 0
+        data = b"".join(encode_raw_frame(first, payload, masked) for first, payload, masked in frames)
+        sent = 0
+        for client in stream.clients:
+            tr = client.transport
+            if tr is not None and client.injectable():
+                if not self.stalled:
+                    self._write_due(client, time.monotonic())
+                tr.underlying_transport.write(data)
+                client.sealed = client.sealed or seal
+                sent += 1
+        return sent
+
+    def dribble(self, stream_id: str, total_bytes: int, chunk_bytes: int = 16_384) -> int:
+        """Start a TEXT message that goes on in a continuation frame per tick until ``total_bytes``.
+
+        Like a real server stuck in one endless message, the client gets none of its stream's frames
+        meanwhile; the message ends with a FIN fragment after ``total_bytes`` if the client is still there.
+        The client is sealed.  Returns how many clients got the first fragment.
+        """
+        stream = self._streams.get(stream_id)
+        if stream is None or total_bytes < 1 or chunk_bytes < 1:
+            return 0
+        sent = 0
+        for client in stream.clients:
+            tr = client.transport
+            if tr is not None and client.injectable():
+                if not self.stalled:
+                    self._write_due(client, time.monotonic())
+                first = min(chunk_bytes, total_bytes)
+                tr.underlying_transport.write(encode_raw_frame(
+                    _FIN_TEXT if first == total_bytes else _TEXT_MORE, _dribble_bytes(first)))
+                client.sealed = True
+                client.dribble_left = total_bytes - first
+                client.dribble_chunk = chunk_bytes
+                self._wake(client)
                 sent += 1
         return sent
 
@@ -458,6 +546,9 @@ class FakeUpstream:
         """
         if not client.writable() or self.stalled or client.paused:
             return
+        if client.dribble_left > 0:
+            self._dribble_step(client, current)
+            return
         self._write_due(client, now)
         stream = client.stream
         if client.next_seq <= stream.produced_at(now):
@@ -466,6 +557,15 @@ class FakeUpstream:
         due = stream.due_at(client.next_seq)
         if due != math.inf:
             self._schedule(client, max(current + 1, int((due - self._t0) / self.tick_s) + 1))
+
+    def _dribble_step(self, client: _Client, current: int) -> None:
+        """One more fragment of an endless message; the last one carries FIN."""
+        assert client.transport is not None
+        n = min(client.dribble_chunk, client.dribble_left)
+        client.dribble_left -= n
+        first = _CONTINUATION_FIN if client.dribble_left == 0 else _CONTINUATION_MORE
+        client.transport.underlying_transport.write(encode_raw_frame(first, _dribble_bytes(n)))
+        self._schedule(client, current + 1)  # the stream's own frames resume once the message is over
 
     def _write_due(self, client: _Client, now: float) -> None:
         stream, tr = client.stream, client.transport
@@ -503,6 +603,10 @@ def _start_seq(stream: _Stream, created: bool, from_seq: int | None) -> int:
     if from_seq is not None:
         return max(1, from_seq)
     return 1 if created else stream.produced_at(time.monotonic()) + 1
+
+
+def _dribble_bytes(n: int) -> bytes:
+    return b"~" * n
 
 
 def is_inject_kind(kind: str) -> TypeGuard[InjectKind]:
@@ -544,10 +648,44 @@ def _full_stats(up: FakeUpstream) -> dict[str, Any]:
     return {"streams": streams, "totals": totals, "stalled": up.stalled, "refusing": up.refusing}
 
 
-CONTROL_ACTIONS: Final = frozenset({"/drop", "/stall", "/refuse", "/inject", "/stop", "/ensure"})
+CONTROL_ACTIONS: Final = frozenset({"/drop", "/stall", "/refuse", "/inject", "/stop", "/ensure", "/frames",
+                                    "/hold_close"})
 
 
-def _control_action(up: FakeUpstream, path: str, query: dict[str, list[str]]) -> tuple[int, dict[str, Any]]:
+def _frames_action(up: FakeUpstream, body: bytes) -> dict[str, Any]:
+    """``POST /frames``: a JSON list of groups, each sent with one call; returns clients reached per group.
+
+    A group is ``{"id": S, "frames": [{"first": 129, "payload": BASE64, "pad": N, "masked": false}, …],
+    "seal": false}`` (:meth:`FakeUpstream.send_frames`; ``pad`` appends N bytes of ``x`` so big frames
+    need not travel in the request) or ``{"id": S, "dribble": TOTAL_BYTES, "chunk": N}``
+    (:meth:`FakeUpstream.dribble`).
+    """
+    try:
+        groups = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise ValueError(f"body is not JSON: {e}") from None
+    if not isinstance(groups, list):
+        raise ValueError("body must be a JSON list of groups")
+    return {"sent": [_frames_group(up, g) for g in groups]}
+
+
+def _frames_group(up: FakeUpstream, group: Any) -> int:
+    if not isinstance(group, dict):
+        raise ValueError("a group must be a JSON object")
+    sid = str(group["id"])
+    if "dribble" in group:
+        return up.dribble(sid, int(group["dribble"]), int(group.get("chunk", 16_384)))
+    frames: list[RawFrame] = []
+    for f in group["frames"]:
+        if not isinstance(f, dict):
+            raise ValueError("a frame must be a JSON object")
+        payload = base64.b64decode(f.get("payload", ""), validate=True) + b"x" * int(f.get("pad", 0))
+        frames.append((int(f["first"]), payload, bool(f.get("masked", False))))
+    return up.send_frames(sid, frames, seal=bool(group.get("seal", False)))
+
+
+def _control_action(up: FakeUpstream, path: str, query: dict[str, list[str]],
+                    body: bytes = b"") -> tuple[int, dict[str, Any]]:
     """POST endpoints; a missing or bad parameter is a KeyError / ValueError (HTTP 400)."""
     if path == "/drop":
         return 200, {"dropped": up.drop_all()}
@@ -557,6 +695,9 @@ def _control_action(up: FakeUpstream, path: str, query: dict[str, list[str]]) ->
     if path == "/refuse":
         up.refuse(_flag(query))
         return 200, {"refusing": up.refusing}
+    if path == "/hold_close":
+        up.hold_close(_flag(query))
+        return 200, {"holding_close": up.holding_close}
     if path == "/inject":
         kind = query["kind"][-1]
         if not is_inject_kind(kind):
@@ -568,11 +709,13 @@ def _control_action(up: FakeUpstream, path: str, query: dict[str, list[str]]) ->
         rate = float(query["rate"][-1]) if "rate" in query else None
         age_s = float(query.get("age_s", ["0"])[-1])
         return 200, {"created": sum(up.ensure(sid, rate=rate, age_s=age_s) for sid in query["id"])}
+    if path == "/frames":
+        return 200, _frames_action(up, body)
     return 404, {"error": "not found"}
 
 
-def handle_control(up: FakeUpstream, method: str, target: str) -> tuple[int, dict[str, Any]]:
-    """Route one control request (``target`` = path + query) to ``(status, json_body)``."""
+def handle_control(up: FakeUpstream, method: str, target: str, body: bytes = b"") -> tuple[int, dict[str, Any]]:
+    """Route one control request (``target`` = path + query, ``body`` its content) to ``(status, json_body)``."""
     parts = urlsplit(target)
     query = parse_qs(parts.query)
     try:
@@ -585,8 +728,8 @@ def handle_control(up: FakeUpstream, method: str, target: str) -> tuple[int, dic
             return 404, {"error": "not found"}
         if method != "POST":
             return 405, {"error": f"use POST for {parts.path}"}
-        return _control_action(up, parts.path, query)
-    except (KeyError, ValueError) as exc:
+        return _control_action(up, parts.path, query, body)
+    except (KeyError, ValueError, TypeError, binascii.Error) as exc:
         return 400, {"error": f"bad request: {exc}"}
 
 
@@ -594,9 +737,9 @@ async def _control_conn(up: FakeUpstream, reader: asyncio.StreamReader, writer: 
     try:
         async with asyncio.timeout(10):
             head = await reader.readuntil(b"\r\n\r\n")
-            await _discard_body(reader, head)
+            content = await _read_body(reader, head)
         method, target = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")[:2]
-        status, body = handle_control(up, method, target)
+        status, body = handle_control(up, method, target, content)
     except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ValueError):
         status, body = 400, {"error": "malformed request"}
     data = orjson.dumps(body)
@@ -610,12 +753,16 @@ async def _control_conn(up: FakeUpstream, reader: asyncio.StreamReader, writer: 
     writer.close()
 
 
-async def _discard_body(reader: asyncio.StreamReader, head: bytes) -> None:
-    # Closing with unread request bytes makes the kernel send RST, which can destroy our response.
+async def _read_body(reader: asyncio.StreamReader, head: bytes) -> bytes:
+    # Read it all even when unused: closing with unread request bytes makes the kernel send RST, which
+    # can destroy our response.
     for line in head.split(b"\r\n"):
         name, _, value = line.partition(b":")
         if name.strip().lower() == b"content-length" and value.strip().isdigit():
-            await reader.readexactly(int(value.strip()))
+            if int(value.strip()) > CONTROL_MAX_BODY:
+                raise ValueError("request body too large")
+            return await reader.readexactly(int(value.strip()))
+    return b""
 
 
 async def start_control_server(up: FakeUpstream, host: str, port: int) -> asyncio.Server:

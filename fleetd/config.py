@@ -58,8 +58,23 @@ class LeaseConfig:
     )
     reconcile_s: float = _doc("Interval between scans for free, expired and orphaned items.", default=5.0)
     reconcile_jitter: float = _doc("Relative jitter applied to `reconcile_s` (0.2 = ±20 %).", default=0.2)
-    desired_state_s: float = _doc("Interval between desired-state checks (BatchGetItem).", default=10.0)
-    checkpoint_s: float = _doc("Interval between `last_seq` checkpoints of changed connections.", default=30.0)
+    desired_state_s: float = _doc(
+        "Interval between desired-state checks: a GSI query for STOPPED items still held.", default=10.0)
+    desired_sweep_s: float = _doc(
+        "Interval between full desired-state sweeps (BatchGetItem of every held item: also finds items "
+        "deleted, taken or given a new URL).", default=60.0)
+    checkpoint_s: float = _doc(
+        "Interval between `last_seq` checkpoints of connections that advanced `checkpoint_min_seqs` or more.",
+        default=30.0,
+    )
+    checkpoint_min_seqs: int = _doc(
+        "A connection that advanced fewer seqs than this is checkpointed only every `checkpoint_idle_s`.",
+        default=100,
+    )
+    checkpoint_idle_s: float = _doc(
+        "Longest time a changed connection goes without a checkpoint (bounds the replay after a crash).",
+        default=300.0,
+    )
     renew_concurrency: int = _doc("Item mode: renewals in flight at once per shard.", default=64)
     claim_concurrency: int = _doc("Claims in flight at once per shard during reconcile.", default=32)
     clock_offset_ms: int = _doc(
@@ -296,6 +311,11 @@ def _checks(cfg: Config) -> Iterator[tuple[bool, str]]:
     for name in ("lease_ttl_s", "heartbeat_s", "reconcile_s", "desired_state_s", "checkpoint_s"):
         yield getattr(le, name) > 0, f"{name} must be > 0 (got {getattr(le, name)})"
     yield le.safety_margin_s >= 0, f"safety_margin_s must be >= 0 (got {le.safety_margin_s})"
+    yield le.desired_sweep_s >= le.desired_state_s, (
+        f"desired_sweep_s ({le.desired_sweep_s}) must be >= desired_state_s ({le.desired_state_s})")
+    yield le.checkpoint_min_seqs >= 1, f"checkpoint_min_seqs must be >= 1 (got {le.checkpoint_min_seqs})"
+    yield le.checkpoint_idle_s >= le.checkpoint_s, (
+        f"checkpoint_idle_s ({le.checkpoint_idle_s}) must be >= checkpoint_s ({le.checkpoint_s})")
     yield le.heartbeat_s < le.lease_ttl_s, (
         f"heartbeat_s ({le.heartbeat_s}) must be below lease_ttl_s ({le.lease_ttl_s})"
     )

@@ -112,6 +112,7 @@ class ClaimResult:
     outcome: Outcome
     item: ConnItem | None = None
     detail: str = ""
+    bad_item: bool = False  # the item's own attributes made the claim invalid (e.g. a non-numeric lease_epoch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +199,10 @@ class LeaseStore:
             return self._claimed(resp["Attributes"])
         if outcome is Outcome.LOST and not _was_retried(resp):
             return ClaimResult(Outcome.LOST)
+        if outcome is Outcome.FATAL and error_code(resp["error"]) == "ValidationException":
+            # The claim is valid for every well-formed item: this item's attributes do not fit it
+            # (ADD on a non-numeric lease_epoch …).  Nothing was written; no claim of it can succeed.
+            return ClaimResult(Outcome.FATAL, None, str(resp["error"]), bad_item=True)
         # The SDK retried (or gave up): our first attempt may have succeeded with its answer lost.
         return await self._check_claim(connection_id, me, outcome, resp)
 
@@ -270,6 +275,18 @@ class LeaseStore:
             KeyConditionExpression="desired_state = :started AND lease_expires_at_ms < :t",
             ExpressionAttributeValues=values)]
 
+    async def stopped_held(self, limit: int = 1_000_000) -> list[str]:
+        """Ids of STOPPED items someone still holds (GSI: candidates only; confirm on the base table).
+
+        Stopped items nobody holds have ``lease_expires_at_ms`` 0 or in the past, so this
+        reads only the few that need action: one query per shard, not a read per item.
+        """
+        values = {":stopped": _s(STOPPED), ":now": _n(self.clock.now_ms())}
+        return [k["connection_id"]["S"] async for k in self._query(
+            limit, TableName=self.conns, IndexName=STATE_EXPIRY_INDEX,
+            KeyConditionExpression="desired_state = :stopped AND lease_expires_at_ms > :now",
+            ExpressionAttributeValues=values)]
+
     async def items_of(self, owner: str, limit: int = 1_000_000) -> list[str]:
         """Ids of the items whose ``lease_owner`` is ``owner`` (GSI: candidates only)."""
         return [k["connection_id"]["S"] async for k in self._query(
@@ -293,15 +310,21 @@ class LeaseStore:
                 return
 
     async def desired_states(self, ids: Iterable[str], max_wait_s: float = 10.0) -> dict[str, ConnItem | None]:
-        """Current state of each id via BatchGetItem (100 keys a call); None for a missing item."""
+        """Current state of each id via BatchGetItem (100 keys a call); None for a missing item, no entry for
+        an item that cannot be parsed."""
         id_list = list(dict.fromkeys(ids))
         chunks = [id_list[i:i + BATCH_GET_MAX] for i in range(0, len(id_list), BATCH_GET_MAX)]
         found: dict[str, ConnItem | None] = dict.fromkeys(id_list)
-        for part in await asyncio.gather(*(self._batch_get(c, max_wait_s) for c in chunks)):
+        unreadable: set[str] = set()
+        for part in await asyncio.gather(*(self._batch_get(c, max_wait_s, unreadable) for c in chunks)):
             found.update(part)
+        # An item that exists but cannot be parsed says nothing about its state: leave it out.  Reported
+        # as None ("deleted") it made its owner drop it and re-adopt it forever (fault suite, issue #7).
+        for cid in unreadable:
+            found.pop(cid, None)
         return found
 
-    async def _batch_get(self, ids: list[str], max_wait_s: float) -> dict[str, ConnItem]:
+    async def _batch_get(self, ids: list[str], max_wait_s: float, unreadable: set[str]) -> dict[str, ConnItem]:
         keys: list[dict[str, Any]] = [{"connection_id": _s(i)} for i in ids]
         out: dict[str, ConnItem] = {}
         delay, deadline = 0.05, self.clock.monotonic() + max_wait_s
@@ -314,6 +337,7 @@ class LeaseStore:
                 try:
                     item = ConnItem.parse(raw)
                 except BadItem:
+                    unreadable.add(_str(raw, "connection_id"))
                     continue
                 out[item.connection_id] = item
             keys = resp.get("UnprocessedKeys", {}).get(self.conns, {}).get("Keys", [])

@@ -214,6 +214,11 @@ class Sink:
         """Messages submitted and neither durable nor dropped yet."""
         return self._buffered
 
+    @property
+    def pressured(self) -> bool:
+        """Above the high watermark and not yet back below the low one: upstream reads should be paused."""
+        return self._pressured
+
     def deactivate(self, cur: Cursor) -> None:
         """Fence ``cur``: its buffered messages are dropped and never written."""
         if not cur.active:

@@ -20,7 +20,7 @@ import urllib.parse
 from typing import Any
 
 import orjson
-from picows import WSCloseCode, WSFrame, WSListener, WSMsgType, WSTransport, ws_connect
+from picows import WSCloseCode, WSFrame, WSListener, WSMsgType, WSProtocolError, WSTransport, ws_connect
 
 from fleetd.clock import Clock
 from fleetd.config import UpstreamConfig
@@ -31,6 +31,9 @@ from fleetd.stats import Stats
 log = logging.getLogger("fleetd.upstream")
 _limiter = RateLimiter(10.0)
 _STABLE_S = 10.0  # a connection up this long resets the reconnect backoff
+# Largest seq accepted: 2^53 - 1, the largest integer JSON carries exactly between implementations
+# (RFC 7493 §2.2).  Beyond it a seq is a bad frame, not a jump (fault suite, issue #7).
+MAX_SEQ = 2**53 - 1
 
 
 def resume_url(url: str, param: str, from_seq: int) -> str:
@@ -44,21 +47,35 @@ def resume_url(url: str, param: str, from_seq: int) -> str:
 class _Listener(WSListener):
     """picows callbacks for one socket; forwards to its :class:`Connection`.
 
+    Reassembles fragmented text messages itself, bounded by ``max_frame_bytes``.
+    Fragmentation errors picows lets through (RFC 6455 §5.4: a new data message
+    before the last one's final fragment, a continuation with no message to
+    continue) are counted as ``protocol`` rejects and tolerated: the unfinished
+    message is dropped, the frames around it are kept.  Errors picows catches
+    itself (reserved opcodes, masked or oversized control frames, bad CLOSE
+    codes) make it close with 1002, counted here on disconnect.
+
     No ``__slots__``: picows keeps a weak reference to the listener for its
     pause/resume_writing hooks.
     """
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
-        self.fragments: bytearray | None = None
+        self.fragments: bytearray | None = None  # a text message being reassembled
+        self.skipping = False  # inside a fragmented binary message (rejected once, continuations ignored)
         self.closed_oversized = False  # we closed with 1009 ourselves (and counted it)
 
     def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
         mt = frame.msg_type
-        if mt is WSMsgType.TEXT and frame.fin and self.fragments is None:
-            self.conn.on_text(frame.get_payload_as_memoryview())
-        elif mt is WSMsgType.TEXT or mt is WSMsgType.CONTINUATION:
-            self._fragment(transport, frame)
+        if mt is WSMsgType.TEXT and frame.fin and self.fragments is None and not self.skipping:
+            payload = frame.get_payload_as_memoryview()
+            if len(payload) <= self.conn.max_frame_bytes:
+                self.conn.on_text(payload)
+            elif not self.closed_oversized:
+                self._too_big(transport)
+        elif mt is WSMsgType.TEXT or mt is WSMsgType.CONTINUATION or mt is WSMsgType.BINARY:
+            if not self.closed_oversized:  # frames still buffered after our own 1009 close are moot
+                self._data_frame(transport, frame)
         elif mt is WSMsgType.CLOSE:
             # picows does not answer a CLOSE itself (NOTES.md): echo it, then hang up.
             # Echoing "no status" (1005) literally would be a protocol error: answer 1000 then.
@@ -66,25 +83,52 @@ class _Listener(WSListener):
             if not transport.is_close_frame_sent:
                 transport.send_close(WSCloseCode.OK if code is WSCloseCode.NO_INFO else code)
             transport.disconnect()
-        elif mt is WSMsgType.BINARY:
-            self.conn.reject("binary")
+
+    def _data_frame(self, transport: WSTransport, frame: WSFrame) -> None:
+        """Every data frame off the fast path: fragments, binary, fragmentation errors."""
+        mt = frame.msg_type
+        if frame.payload_size > self.conn.max_frame_bytes:
+            # picows refuses such a frame at its header (1009), but its parser goes on reading, so a frame
+            # that arrives in several reads is still delivered: enforce the limit here, count it once.
+            self._too_big(transport)
+            return
+        if mt is not WSMsgType.CONTINUATION:  # a new message
+            if self.fragments is not None or self.skipping:
+                self.conn.reject("protocol")  # the previous message never got its final fragment
+            self.fragments, self.skipping = None, False
+            if mt is WSMsgType.BINARY:
+                self.conn.reject("binary")
+                self.skipping = not frame.fin
+                return
+            if frame.fin:
+                self.conn.on_text(frame.get_payload_as_memoryview())
+                return
+            self.fragments = bytearray()
+        elif self.skipping:
+            self.skipping = not frame.fin
+            return
+        elif self.fragments is None:
+            self.conn.reject("protocol")  # a continuation of no message
+            return
+        self._fragment(transport, frame)
 
     def _fragment(self, transport: WSTransport, frame: WSFrame) -> None:
-        if frame.msg_type is WSMsgType.TEXT:
-            self.fragments = bytearray()
-        elif self.fragments is None:
-            return  # continuation of a rejected or binary message
+        assert self.fragments is not None
         self.fragments += frame.get_payload_as_memoryview()
         if len(self.fragments) > self.conn.max_frame_bytes:
-            # A never-ending fragmented message must not grow memory without bound.
-            self.fragments = None
-            self.closed_oversized = True
-            self.conn.reject("oversized")
-            transport.send_close(WSCloseCode.MESSAGE_TOO_BIG)
-            transport.disconnect()
+            self._too_big(transport)  # a never-ending fragmented message must not grow memory without bound
         elif frame.fin:
             payload, self.fragments = self.fragments, None
             self.conn.on_text(memoryview(payload))
+
+    def _too_big(self, transport: WSTransport) -> None:
+        """A message above ``max_frame_bytes``: count it once, close with 1009 (the stream resumes)."""
+        self.fragments, self.skipping = None, False
+        self.closed_oversized = True
+        self.conn.reject("oversized")
+        if not transport.is_close_frame_sent:
+            transport.send_close(WSCloseCode.MESSAGE_TOO_BIG)
+        transport.disconnect()
 
     def on_ws_disconnected(self, transport: WSTransport) -> None:
         handshake = transport.close_handshake
@@ -93,7 +137,19 @@ class _Listener(WSListener):
         if code == WSCloseCode.MESSAGE_TOO_BIG.value and not self.closed_oversized:
             # picows refused a frame above max_frame_size and closed with 1009 itself.
             self.conn.reject("oversized")
+        elif code == WSCloseCode.PROTOCOL_ERROR.value:
+            # picows refused a malformed frame (reserved opcode, masked, bad control frame) with 1002.
+            self.conn.reject("protocol")
         self.conn.on_disconnected()
+
+    def send_user_specific_ping(self, transport: WSTransport) -> None:
+        if self.conn.paused:
+            # We stopped reading (sink backpressure), so a pong could not reach us and the
+            # auto-ping would drop a healthy stream.  Skip the ping and count it answered once
+            # the ping loop has armed its wait (it does so right after this call returns).
+            asyncio.get_running_loop().call_soon(transport.notify_user_specific_pong_received)
+            return
+        transport.send_ping()
 
     def pause_writing(self) -> None:  # defined so picows does not warn; we barely write
         pass
@@ -223,6 +279,8 @@ class Connection:
             transport.underlying_transport.pause_reading()
         try:
             await transport.wait_disconnected()
+        except WSProtocolError:
+            pass  # picows refused a frame and closed (1009 / 1002): counted by the listener, not a connect error
         finally:
             self._transport = None
             self.connected = False
@@ -253,6 +311,11 @@ class Connection:
             return
         seq = obj.get(self.seq_field) if type(obj) is dict else None
         if type(seq) is int:
+            if not 0 <= seq <= MAX_SEQ:
+                # Accepting it would poison the stream: a negative seq is not a position, and a huge one
+                # would make every real frame after it a "duplicate" and every resume start past the end.
+                self.reject("bad_seq")
+                return
             if not self._accept(seq):
                 return
         elif self.sequenced:

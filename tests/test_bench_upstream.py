@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import math
 import os
@@ -21,7 +22,7 @@ import orjson
 import pytest
 from picows import WSCloseCode, WSFrame, WSInvalidStatusError, WSListener, WSMsgType, WSTransport, ws_connect
 
-from bench.upstream import FakeUpstream, handle_control, make_payload, ws_frame_header
+from bench.upstream import FakeUpstream, RawFrame, encode_raw_frame, handle_control, make_payload, ws_frame_header
 from tests.helpers import arun
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -463,3 +464,118 @@ def test_rate_zero_never_produces() -> None:
     up.ensure("z", age_s=1e6)
     assert up.produced("z") == 0
     assert math.isinf(up._streams["z"].due_at(1))
+
+
+# ------------------------------------------------------------------ raw frames for fuzzing
+
+
+class RawRecorder(Recorder):
+    """Also keeps continuation frames (and each frame's FIN bit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.raw: list[tuple[WSMsgType, bool, bytes]] = []
+
+    def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
+        if frame.msg_type in (WSMsgType.TEXT, WSMsgType.BINARY, WSMsgType.CONTINUATION):
+            self.raw.append((frame.msg_type, bool(frame.fin), frame.get_payload_as_bytes()))
+        super().on_ws_frame(transport, frame)
+
+
+async def connect_raw(url: str, **kwargs: Any) -> tuple[WSTransport, RawRecorder]:
+    transport, listener = await ws_connect(RawRecorder, url, **kwargs)
+    assert isinstance(listener, RawRecorder)
+    return transport, listener
+
+
+def test_send_frames_writes_raw_frames_whole_and_in_order() -> None:
+    async def main() -> None:
+        async with FakeUpstream(rate=0) as up:
+            transport, rec = await connect_raw(up.url("raw"))
+            await wait_until(lambda: up.stats()["raw"]["attached"] == 1)
+            frames: list[RawFrame] = [
+                (0x01, b'{"a":', False),  # TEXT without FIN …
+                (0x00, b'"b"', False),  # … a continuation …
+                (0x80, b"}", False),  # … and the final fragment
+                (0x82, b"\x00\xff", False),  # a binary frame
+                (0x81, b"x" * 70_000, False),  # a 64-bit length header
+            ]
+            assert up.send_frames("raw", frames) == 1
+            await wait_until(lambda: len(rec.raw) == 5)
+            assert [(kind, fin) for kind, fin, _ in rec.raw] == [
+                (WSMsgType.TEXT, False), (WSMsgType.CONTINUATION, False), (WSMsgType.CONTINUATION, True),
+                (WSMsgType.BINARY, True), (WSMsgType.TEXT, True)]
+            assert b"".join(data for _, _, data in rec.raw[:3]) == b'{"a":"b"}'
+            assert rec.raw[4][2] == b"x" * 70_000
+            assert up.send_frames("nope", frames) == 0
+            await close(transport)
+
+    arun(main())
+
+
+def test_masked_frame_from_server_is_a_protocol_error_and_sealing_stops_injection() -> None:
+    async def main() -> None:
+        async with FakeUpstream(rate=0) as up:
+            transport, rec = await connect(up.url("m"))
+            await wait_until(lambda: up.stats()["m"]["attached"] == 1)
+            assert encode_raw_frame(0x81, b"ab", masked=True) == bytes((0x81, 0x82, 0, 0, 0, 0)) + b"ab"
+            assert up.send_frames("m", [(0x81, b"{}", True)], seal=True) == 1
+            assert up.send_frames("m", [(0x81, b"{}", False)]) == 0  # sealed: nothing more for this client
+            assert up.inject("m", "noseq") == 0
+            await asyncio.wait_for(rec.disconnected.wait(), 3)  # picows answers with CLOSE 1002
+            assert rec.frames == []
+            transport.disconnect()
+
+    arun(main())
+
+
+def test_dribble_holds_back_stream_frames_until_its_message_ends() -> None:
+    async def main() -> None:
+        async with FakeUpstream(rate=100, tick_ms=10) as up:
+            transport, rec = await connect_raw(up.url("dr"), max_frame_size=1 << 20)
+            await wait_until(lambda: len(rec.seqs) >= 3)
+            assert up.dribble("dr", 50_000, chunk_bytes=10_000) == 1
+            # 1 TEXT fragment + 4 continuations (the last with FIN), then the stream's frames again.
+            await wait_until(lambda: sum(1 for kind, _, _ in rec.raw if kind == WSMsgType.CONTINUATION) == 4)
+            parts = [i for i, (_, _, data) in enumerate(rec.raw) if data.startswith(b"~")]
+            assert parts == list(range(parts[0], parts[0] + 5)), "no stream frame between the fragments"
+            assert [rec.raw[i][1] for i in parts] == [False, False, False, False, True]
+            assert sum(len(rec.raw[i][2]) for i in parts) == 50_000
+            await wait_until(lambda: len(rec.seqs) >= up.produced("dr") - 2)
+            assert contiguous(rec.seqs, 1), "frames held back during the message are sent after it"
+            assert up.dribble("dr", 10) == 0  # sealed
+            await close(transport)
+
+    arun(main())
+
+
+def test_frames_control_endpoint() -> None:
+    up = FakeUpstream()
+    body = orjson.dumps([
+        {"id": "a", "frames": [{"first": 0x81, "payload": base64.b64encode(b"{}").decode(), "pad": 3}]},
+        {"id": "a", "dribble": 100, "chunk": 10},
+    ])
+    assert handle_control(up, "POST", "/frames", body) == (200, {"sent": [0, 0]})  # no stream, no client
+    assert handle_control(up, "POST", "/frames", b"not json")[0] == 400
+    assert handle_control(up, "POST", "/frames", b'{"id": "a"}')[0] == 400
+    assert handle_control(up, "POST", "/frames", b'[{"id": "a", "frames": [{"payload": "AA=="}]}]')[0] == 400
+    assert handle_control(up, "POST", "/frames", b'[{"id": "a", "frames": [{"first": 1, "payload": "!"}]}]')[0] == 400
+    assert handle_control(up, "POST", "/frames", b'[[1]]')[0] == 400
+
+
+def test_hold_close_leaves_a_client_close_unanswered() -> None:
+    async def main() -> None:
+        async with FakeUpstream(rate=50) as up:
+            transport, rec = await connect(up.url("hc"))
+            await wait_until(lambda: len(rec.seqs) >= 2)
+            up.hold_close(True)
+            transport.send_close(WSCloseCode.OK)
+            await asyncio.sleep(0.3)
+            assert not rec.disconnected.is_set() and up.stats()["hc"]["attached"] == 1
+            count = len(rec.seqs)
+            await wait_until(lambda: len(rec.seqs) > count)  # data keeps flowing
+            assert handle_control(up, "POST", "/hold_close?on=0") == (200, {"holding_close": False})
+            transport.disconnect()
+            await wait_until(lambda: up.stats()["hc"]["attached"] == 0)
+
+    arun(main())

@@ -163,6 +163,28 @@ def test_desired_state_of_250_ids_in_three_calls(cfg: Config) -> None:
     arun(main())
 
 
+@pytest.mark.parametrize("mode", ["session", "item"])
+def test_stopped_held_lists_only_stopped_items_someone_holds(cfg: Config, mode: str) -> None:
+    cfg = replace(cfg, lease_mode=mode)
+
+    async def main() -> None:
+        async with clients(cfg) as c:
+            leases = store(c.dynamodb, cfg)
+            for cid in ("held-stopped", "held-started", "free-stopped"):
+                await put_item(c.dynamodb, cfg, cid)
+            for cid in ("held-stopped", "held-started"):
+                assert (await leases.claim(cid, "task/0/n")).outcome is Outcome.WON
+            for cid in ("held-stopped", "free-stopped"):
+                await c.dynamodb.update_item(TableName=cfg.aws.connections_table, Key={"connection_id": {"S": cid}},
+                                             UpdateExpression="SET desired_state = :s",
+                                             ExpressionAttributeValues={":s": {"S": "STOPPED"}})
+            assert await leases.stopped_held() == ["held-stopped"]
+            await leases.release("held-stopped", "task/0/n", 1, 0)
+            assert await leases.stopped_held() == []
+
+    arun(main())
+
+
 def test_bad_table_is_fatal_not_an_exception(cfg: Config) -> None:
     broken = replace(cfg, connections_table="no-such-table")
 

@@ -34,7 +34,8 @@ from tests.fleet import (
 
 MODES = ["session", "item"]
 FAST = {"lease_ttl_s": 6.0, "heartbeat_s": 1.0, "safety_margin_s": 1.0, "reconcile_s": 1.0,
-        "desired_state_s": 1.0, "checkpoint_s": 1.0, "hint_wait_s": 1, "shutdown_budget_s": 8.0,
+        "desired_state_s": 1.0, "checkpoint_s": 1.0, "checkpoint_idle_s": 1.0, "hint_wait_s": 1,
+        "shutdown_budget_s": 8.0,
         "backoff_max_s": 1.0, "ping_idle_s": 1.0, "ping_reply_s": 1.0, "aws_timeout_s": 1.0,
         "aws_max_attempts": 2}
 
