@@ -153,3 +153,29 @@ def test_create_table_request_is_on_demand_and_keys_only() -> None:
         used = {k["AttributeName"] for k in req["KeySchema"]}
         used |= {k["AttributeName"] for g in req.get("GlobalSecondaryIndexes", []) for k in g["KeySchema"]}
         assert {a["AttributeName"] for a in req["AttributeDefinitions"]} == used
+
+
+def test_local_dynamodb_keeps_every_gsi_entry(cfg: config.Config) -> None:
+    """dynalite as installed by `npm ci` (tools/patch-dynalite.js): thousands of items sharing one index key
+    all stay in the index.  Unpatched, entries whose table-key hashes share six hex digits overwrite each
+    other, and a free connection can vanish from reconcile's query (c01263 did, among c00000–c01499)."""
+    import boto3
+
+    client = boto3.client("dynamodb")
+    ids = [f"c{i:05d}" for i in range(1500)]
+    for i in range(0, len(ids), 25):
+        client.batch_write_item(RequestItems={cfg.aws.connections_table: [
+            {"PutRequest": {"Item": {"connection_id": {"S": cid}, "desired_state": {"S": "STARTED"},
+                                     "lease_expires_at_ms": {"N": "0"}}}} for cid in ids[i:i + 25]]})
+    seen: set[str] = set()
+    kwargs: dict[str, Any] = {
+        "TableName": cfg.aws.connections_table, "IndexName": schema.STATE_EXPIRY_INDEX,
+        "KeyConditionExpression": "desired_state = :s AND lease_expires_at_ms < :t",
+        "ExpressionAttributeValues": {":s": {"S": "STARTED"}, ":t": {"N": "1"}}}
+    while True:
+        resp = client.query(**kwargs)
+        seen |= {item["connection_id"]["S"] for item in resp["Items"]}
+        if "LastEvaluatedKey" not in resp:
+            break
+        kwargs["ExclusiveStartKey"] = resp["LastEvaluatedKey"]
+    assert seen == set(ids), f"missing from the index: {sorted(set(ids) - seen)[:5]}"
