@@ -119,10 +119,15 @@ class Context:
         self.meter_thread, self.meter = start_metering(os.environ["AWS_ENDPOINT_URL_DYNAMODB"], keys)
         return tables
 
-    def sut_env(self) -> dict[str, str]:
-        """The environment of a system under test: DynamoDB through the metering proxy."""
+    def sut_env(self, metered: bool = True) -> dict[str, str]:
+        """The environment of a system under test: DynamoDB through the metering proxy, or direct.
+
+        The proxy is one Python thread: fine for counting an idle fleet's requests, but a
+        hand-over's burst of releases and claims would queue behind it, so the failover
+        scenario talks to dynalite directly.
+        """
         assert self.meter_thread is not None, "fresh_tables() first"
-        return dict(os.environ, AWS_ENDPOINT_URL_DYNAMODB=self.meter_thread.url)
+        return dict(os.environ) if not metered else dict(os.environ, AWS_ENDPOINT_URL_DYNAMODB=self.meter_thread.url)
 
     def usage(self) -> dict[tuple[str, str], Usage]:
         assert self.meter is not None

@@ -97,11 +97,11 @@ def start_task(ctx: Context, fleet: Fleet, task: str) -> System:
     n = ctx.profile.failover_connections
     if fleet.kind == "fleetd":
         timings = FAST_FLEETD if ctx.profile.fast_timings else {}
-        system, _ = fleetd_task(task, 1, fleet.tables, ctx.logs, ctx.sut_env(),
+        system, _ = fleetd_task(task, 1, fleet.tables, ctx.logs, ctx.sut_env(metered=False),
                                 FLEETD_MAX_CONNECTIONS_PER_SHARD=str(n), **timings)
     else:
         extra = FAST_BASELINE if ctx.profile.fast_timings else ()
-        system, _ = baseline_worker(task, fleet.tables, ctx.logs, ctx.sut_env(), *extra)
+        system, _ = baseline_worker(task, fleet.tables, ctx.logs, ctx.sut_env(metered=False), *extra)
     return ctx.started(system)
 
 
