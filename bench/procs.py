@@ -79,7 +79,7 @@ def _listening(out: Path) -> dict[str, str] | None:
 
 @dataclass
 class FleetdProc:
-    """A ``fleetd shard`` or ``fleetd run`` child process with its log."""
+    """A system-under-test child process (``fleetd shard|run``, the baseline) with its log."""
 
     argv: list[str]
     env: dict[str, str]
@@ -93,8 +93,12 @@ class FleetdProc:
     def pid(self) -> int:
         return self.proc.pid
 
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
     def signal(self, sig: int) -> None:
-        os.kill(self.proc.pid, sig)
+        if self.alive():
+            os.kill(self.proc.pid, sig)
 
     def wait(self, timeout_s: float) -> int:
         return self.proc.wait(timeout_s)

@@ -113,6 +113,18 @@ def targets(res: dict[str, Any]) -> str:
     return "## Targets (fleetd)\n\n" + table(["figure", "target", "measured", "met"], rows)
 
 
+def finish(ax: Any, title: str) -> None:
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+
+
+def save(fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 # ----- density ---------------------------------------------------------------------------------------
 
 def density_section(out: Path, res: dict[str, Any]) -> str:
@@ -155,14 +167,10 @@ def plot_density(out: Path, pts: list[dict[str, Any]]) -> None:
             xs = [p["connections"] for p in pts if p["system"] == system]
             ys = [p[key] * scale for p in pts if p["system"] == system]
             ax.plot(xs, ys, marker="o", label=system)
-        ax.set_title(title)
         ax.set_xlabel("connections")
         ax.set_yscale("log")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "density.png", dpi=100)
-    plt.close(fig)
+        finish(ax, title)
+    save(fig, out / "density.png")
 
 
 # ----- throughput ------------------------------------------------------------------------------------
@@ -206,12 +214,8 @@ def plot_throughput(out: Path, res: dict[str, Any]) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("offered msgs/s")
     ax.set_ylabel("ingested msgs/s")
-    ax.set_title("Ingest vs offered load")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "throughput.png", dpi=100)
-    plt.close(fig)
+    finish(ax, "Ingest vs offered load")
+    save(fig, out / "throughput.png")
 
 
 # ----- failover --------------------------------------------------------------------------------------
@@ -257,9 +261,7 @@ def plot_failover(out: Path, res: dict[str, Any]) -> None:
     ax.set_ylabel("seconds until the stream has a socket again")
     ax.set_title("Recovery time per affected stream (whiskers: min / p99)")
     ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "failover.png", dpi=100)
-    plt.close(fig)
+    save(fig, out / "failover.png")
 
 
 # ----- cost ------------------------------------------------------------------------------------------
@@ -290,8 +292,5 @@ def plot_cost(out: Path, res: dict[str, Any]) -> None:
         ax.bar(systems, vals, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     ax.set_ylabel("request units per connection-hour")
-    ax.set_title("DynamoDB request units per connection-hour")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "cost.png", dpi=100)
-    plt.close(fig)
+    finish(ax, "DynamoDB request units per connection-hour")
+    save(fig, out / "cost.png")

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from fleetd.devstack import free_port, spawn, terminate
+from bench.procs import FleetdProc
+from fleetd.devstack import free_port
 
 # fleetd's defaults are its product timings; only what a benchmark needs differs.
 FLEETD_BENCH_ENV = {
@@ -36,35 +36,7 @@ class Tables:
     queue: str = "fleetd-hints"
 
 
-@dataclass
-class System:
-    """A started child process (fleetd supervisor or baseline worker) and its log."""
-
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    log_path: Path
-    proc: subprocess.Popen[bytes] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.proc = spawn(self.argv, self.log_path, env=self.env)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def signal(self, sig: int) -> None:
-        if self.alive():
-            os.kill(self.proc.pid, sig)
-
-    def wait(self, timeout_s: float) -> int:
-        return self.proc.wait(timeout_s)
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        terminate(self.proc, timeout_s=timeout_s)
+System = FleetdProc  # a started child process (fleetd supervisor or baseline worker) and its log
 
 
 def fleetd_task(task_id: str, shards: int, tables: Tables, log_dir: Path, env: dict[str, str],
@@ -75,8 +47,7 @@ def fleetd_task(task_id: str, shards: int, tables: Tables, log_dir: Path, env: d
     child_env.update(FLEETD_TASK_ID=task_id, FLEETD_SHARDS=str(shards), FLEETD_METRICS_ADDR=addr,
                      FLEETD_CONNECTIONS_TABLE=tables.connections, FLEETD_SESSIONS_TABLE=tables.sessions,
                      FLEETD_MESSAGES_TABLE=tables.messages, FLEETD_HINTS_QUEUE=tables.queue, **settings)
-    system = System(f"fleetd:{task_id}", [sys.executable, "-m", "fleetd", "run"], child_env,
-                    log_dir / f"fleetd-{task_id}.log")
+    system = System([sys.executable, "-m", "fleetd", "run"], child_env, log_dir / f"fleetd-{task_id}.log")
     return system, f"http://{addr}/metrics"
 
 
@@ -87,7 +58,7 @@ def baseline_worker(worker_id: str, tables: Tables, log_dir: Path, env: dict[str
     argv = [sys.executable, "-m", "bench.baseline", "--worker-id", worker_id,
             "--connections-table", tables.connections, "--messages-table", tables.messages,
             "--hints-queue", tables.queue, "--stats-file", str(stats), *extra]
-    return System(f"baseline:{worker_id}", argv, dict(env), log_dir / f"baseline-{worker_id}.log"), stats
+    return System(argv, dict(env), log_dir / f"baseline-{worker_id}.log"), stats
 
 
 def read_json(path: Path) -> dict[str, Any]:
