@@ -495,8 +495,10 @@ class Shard:
                 log.warning("reconcile failed", extra={"error": f"{type(e).__name__}: {e}"})
             rounds += 1
             if more:
-                # Free items remain: the next step follows at once (its load-proportional
-                # delay paces it), or 5,000 items would take 20 reconcile periods to claim.
+                # Free items remain: the next step follows at once (its load-proportional delay
+                # paces it), or 5,000 items would take 20 reconcile periods to claim.  The short
+                # pause bounds the loop if a stale index keeps offering items others already hold.
+                await _wait(self.stopping, 0.05)
                 continue
             jitter = 1 + random.uniform(-1, 1) * self.cfg.lease.reconcile_jitter
             with suppress(TimeoutError):
