@@ -48,7 +48,7 @@ def measure_point(ctx: Context, kind: str, n: int, base_rss: int) -> dict[str, A
     ids = seed(tables, pool, n)
     t0 = time.monotonic()
     system = start_system(ctx, kind, tables, n)
-    connect_s, best = wait_attached(pool, n, 20 + n / 100, ctx.progress, f"density {kind} {n}", system)
+    connect_s, best = wait_attached(pool, n, 30 + n / 40, ctx.progress, f"density {kind} {n}", system)
     ctx.progress(f"density {kind} {n}: {best}/{n} connected" + (f" in {connect_s:.1f} s" if connect_s else ""))
     time.sleep(3.0)
     before, s0 = ctx.usage(), sample([system.pid])
