@@ -236,9 +236,10 @@ def failover_section(out: Path, res: dict[str, Any]) -> str:
             ratio_rows.append([event, fs[event]["p99_s"], bs[event]["p99_s"], ratio(bs[event]["p99_s"],
                                                                                   fs[event]["p99_s"])])
     plot_failover(out, res)
-    return ("## Failover (three tasks sharing the connections)\n\nRecovery = time from the event until a new "
-            "socket is attached to the stream (it resumes with `from_seq`), per affected stream, polled every "
-            "0.1 s.\n\n"
+    note = (f"Run with the `{res['profile']}` profile ({res.get('note', '')}).\n\n" if res.get("profile") else "")
+    return ("## Failover (three tasks sharing the connections)\n\n" + note
+            + "Recovery = time from the event until a new socket is attached to the stream (it resumes with "
+            "`from_seq`), per affected stream, polled every 0.1 s.\n\n"
             + table(["system", "event", "trials", "streams affected", "unrecovered", "p50 s", "p99 s", "max s",
                      "missing seqs", "double streaming"], rows)
             + "\n\nRecovery p99, fleetd vs baseline:\n\n" + table(["event", "fleetd s", "baseline s",

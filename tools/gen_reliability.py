@@ -216,13 +216,17 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=COMMAND, description=(__doc__ or "").splitlines()[0])
     p.add_argument("results", nargs="+", type=Path, help="JSON-lines files written via FLEETD_FAULTS_RESULTS")
+    p.add_argument("--provenance", default="", help="a paragraph on where the records come from (code, machine)")
     args = p.parse_args(argv)
     try:
         rows = read_rows(args.results)
     except (OSError, ValueError) as e:
         print(f"{COMMAND}: {e}", file=sys.stderr)
         return 1
-    sys.stdout.write(render(rows))
+    page = render(rows)
+    if args.provenance:
+        page = page.replace("\n## Summary\n", f"\n**Provenance.** {args.provenance}\n\n## Summary\n", 1)
+    sys.stdout.write(page)
     return 0
 
 
