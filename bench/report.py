@@ -34,7 +34,8 @@ def header(doc: Doc) -> str:
             "metering proxy and stream from the same fake upstreams. Produced by `python -m bench.run`; "
             "raw numbers in `results.json`.\n\n"
             + "\n".join(f"* `{name}`: {r.get('duration_s', '?')} s, finished {r.get('finished', '?')}"
-                         for name, r in doc["results"].items()))
+                         for name, r in doc["results"].items())
+            + (f"\n\n**Conditions.** {doc['conditions']}" if doc.get("conditions") else ""))
 
 
 def table(head: list[str], rows: list[list[Any]]) -> str:
