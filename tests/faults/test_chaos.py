@@ -9,7 +9,11 @@ logs holding no traceback nor any error that is not an expected, handled conditi
 recorded with :func:`tests.faults.record.record` along with its worst recovery time.
 
 ``pytest --long`` runs 20 trials per scenario, CI runs 2.  Randomness is seeded: the seed is printed
-and recorded, and ``FLEETD_CHAOS_SEED=N`` replays a run's choices (not its timing).
+and recorded, and ``FLEETD_FAULTS_SEED=N`` replays a run's choices (not its timing).
+
+Recovery (``recovery_s``) is always measured on the fake upstream (one clock): from the end of the
+fault until every stream has a client attached and is being sent new frames again; each test says
+what "end of the fault" is.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ from tests.fleet import (
 )
 from tests.test_shard import FAST, ShardThread
 
-SEED = int(os.environ.get("FLEETD_CHAOS_SEED", "0")) or random.SystemRandom().randrange(1, 2**31)
+SEED = int(os.environ.get("FLEETD_FAULTS_SEED", "0")) or random.SystemRandom().randrange(1, 2**31)
 LONG_TRIALS = 20
 CI_TRIALS = 2
 # pytest-timeout's 300 s default is too short for 20 trials (20 × 30 s of flapping alone); in CI every
@@ -91,7 +95,7 @@ def rng_for(scenario: str, trial: int) -> random.Random:
 
 @pytest.fixture(autouse=True)
 def _announce_seed() -> None:
-    print(f"chaos seed {SEED} (FLEETD_CHAOS_SEED={SEED} replays the random choices)")
+    print(f"chaos seed {SEED} (FLEETD_FAULTS_SEED={SEED} replays the random choices)")
 
 
 # ---------------------------------------------------------------------------------------- judging
@@ -305,7 +309,9 @@ def all_owned_by_live(fleet: Fleet) -> bool:
 @pytest.mark.timeout(LONG_TIMEOUT_S)
 def test_upstream_flapping_keeps_leases_and_loses_nothing(cfg: Config, tmp_path: Path, long_run: bool) -> None:
     """The upstream drops every socket every 2-5 s (sometimes refusing handshakes too) for a while:
-    every stream resumes without a gap, never two sockets at once, and no lease moves."""
+    every stream resumes without a gap, never two sockets at once, and no lease moves.
+
+    Recovery: from the last drop (or the end of the last refusal) of the trial."""
     fleet = make_fleet(cfg, tmp_path, 40, rate=5.0)
     fleet.env = {"FLEETD_MAX_CONNECTIONS_PER_SHARD": "25"}  # so that both shards hold some
     try:
@@ -563,7 +569,9 @@ def test_fuzzed_frames_are_counted_and_streams_lose_nothing(
         cfg: Config, tmp_path: Path, long_run: bool, log_trap: LogTrap) -> None:
     """Thousands of hypothesis-generated bad frames between real ones: each is counted under the right
     reason, a frame fleetd must hang up on (oversized, endless fragments, protocol errors) costs only a
-    reconnect with resume, and every stream's real frames all reach the table."""
+    reconnect with resume, and every stream's real frames all reach the table.
+
+    Recovery: from the trial's last batch of bad frames."""
     up = UpstreamProc(tmp_path, rate=20.0)
     ids = [f"f{i:03d}" for i in range(FUZZ_STREAMS)]
     seed_items(cfg, {cid: up.url(cid) for cid in ids})
@@ -642,7 +650,9 @@ SKEW_MS = 2000 - 500  # margin − 0.5 s
 @pytest.mark.timeout(LONG_TIMEOUT_S)
 def test_clock_skew_below_the_margin_never_double_streams(cfg: Config, tmp_path: Path, long_run: bool) -> None:
     """Three shards whose clocks are −1.5 s, 0 and +1.5 s off (margin 2 s); each trial kills or stops one
-    at random and its peers take over: never two sockets on one stream, no seq lost."""
+    at random and its peers take over: never two sockets on one stream, no seq lost.
+
+    Recovery: from the signal (SIGKILL: the session expires first, TTL 8 s + margin)."""
     fleet = make_fleet(cfg, tmp_path, 60, rate=5.0)
     fleet.env = dict(SKEW_TIMINGS)
     offsets = [-SKEW_MS, 0, SKEW_MS]
@@ -700,7 +710,9 @@ TAKEOVER_SLACK_S = 4.0
 @pytest.mark.timeout(LONG_TIMEOUT_S)
 def test_sigkill_at_random_points_of_shutdown(cfg: Config, tmp_path: Path, long_run: bool) -> None:
     """SIGTERM a shard, SIGKILL it after a random delay within the shutdown budget: its peers own and
-    stream everything within TTL + margin + reconcile (+ slack), with no seq lost and no double stream."""
+    stream everything within TTL + margin + reconcile (+ slack), with no seq lost and no double stream.
+
+    Recovery: from the SIGTERM (the victim stops renewing its session then)."""
     fleet = make_fleet(cfg, tmp_path, 60, rate=5.0)
     fleet.env = dict(KILL_ENV)
     try:
@@ -933,7 +945,9 @@ def test_garbage_items_are_parked_and_counted_while_good_ones_stream(
         cfg: Config, tmp_path: Path, long_run: bool, log_trap: LogTrap) -> None:
     """Items with garbage written straight into the table, next to good ones (free, or owned by a dead
     session or an expired lease): the shard stays up, parks and counts what it cannot stream without
-    bouncing it, skips what it can never claim, and the good connections stream with no seq missing."""
+    bouncing it, skips what it can never claim, and the good connections stream with no seq missing.
+
+    Recovery: from the start of the writes until every good connection streams."""
     up = UpstreamProc(tmp_path, rate=5.0)
     # The full desired-state sweep (BatchGetItem of every held item) every second, so that each trial
     # sees several: an item it cannot parse must not be taken for deleted.
