@@ -365,17 +365,21 @@ class FakeUpstream:
         """
         if not is_inject_kind(kind):
             raise ValueError(f"unknown inject kind {kind!r}")
+        msg_type, body = self._inject_body(kind, payload)
+        return self._to_clients(stream_id, lambda client, tr: tr.send(msg_type, body))
+
+    def _to_clients(self, stream_id: str, write: Callable[[_Client, WSTransport], None]) -> int:
+        """``write`` to every injectable client of ``stream_id`` after its due frames; returns how many."""
         stream = self._streams.get(stream_id)
         if stream is None:
             return 0
-        msg_type, body = self._inject_body(kind, payload)
         sent = 0
         for client in stream.clients:
             tr = client.transport
             if tr is not None and client.injectable():
                 if not self.stalled:
                     self._write_due(client, time.monotonic())
-                tr.send(msg_type, body)
+                write(client, tr)
                 sent += 1
         return sent
 
@@ -387,20 +391,13 @@ class FakeUpstream:
         (oversized, protocol error), so no later injection goes to that client — frames sent after it would
         be lost in its close, and a fuzzer could not tell what the client must have seen.
         """
-        stream = self._streams.get(stream_id)
-        if stream is None:
-            return 0
         data = b"".join(encode_raw_frame(first, payload, masked) for first, payload, masked in frames)
-        sent = 0
-        for client in stream.clients:
-            tr = client.transport
-            if tr is not None and client.injectable():
-                if not self.stalled:
-                    self._write_due(client, time.monotonic())
-                tr.underlying_transport.write(data)
-                client.sealed = client.sealed or seal
-                sent += 1
-        return sent
+
+        def write(client: _Client, tr: WSTransport) -> None:
+            tr.underlying_transport.write(data)
+            client.sealed = client.sealed or seal
+
+        return self._to_clients(stream_id, write)
 
     def dribble(self, stream_id: str, total_bytes: int, chunk_bytes: int = 16_384) -> int:
         """Start a TEXT message that goes on in a continuation frame per tick until ``total_bytes``.
