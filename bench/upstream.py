@@ -406,24 +406,19 @@ class FakeUpstream:
         meanwhile; the message ends with a FIN fragment after ``total_bytes`` if the client is still there.
         The client is sealed.  Returns how many clients got the first fragment.
         """
-        stream = self._streams.get(stream_id)
-        if stream is None or total_bytes < 1 or chunk_bytes < 1:
+        if total_bytes < 1 or chunk_bytes < 1:
             return 0
-        sent = 0
-        for client in stream.clients:
-            tr = client.transport
-            if tr is not None and client.injectable():
-                if not self.stalled:
-                    self._write_due(client, time.monotonic())
-                first = min(chunk_bytes, total_bytes)
-                tr.underlying_transport.write(encode_raw_frame(
-                    _FIN_TEXT if first == total_bytes else _TEXT_MORE, _dribble_bytes(first)))
-                client.sealed = True
-                client.dribble_left = total_bytes - first
-                client.dribble_chunk = chunk_bytes
-                self._wake(client)
-                sent += 1
-        return sent
+        first = min(chunk_bytes, total_bytes)
+
+        def start(client: _Client, tr: WSTransport) -> None:
+            tr.underlying_transport.write(encode_raw_frame(
+                _FIN_TEXT if first == total_bytes else _TEXT_MORE, _dribble_bytes(first)))
+            client.sealed = True
+            client.dribble_left = total_bytes - first
+            client.dribble_chunk = chunk_bytes
+            self._wake(client)
+
+        return self._to_clients(stream_id, start)
 
     def _inject_body(self, kind: str, payload: bytes | None) -> tuple[WSMsgType, bytes]:
         ts = b'"ts_ms":%d' % int(time.time() * 1000)
