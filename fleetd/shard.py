@@ -37,7 +37,7 @@ from fleetd.aws import error_code, open_clients
 from fleetd.clock import Clock, SystemClock
 from fleetd.config import Config
 from fleetd.ctl import validate_url
-from fleetd.hints import Hints
+from fleetd.hints import Hints, HintStream
 from fleetd.lease import STOPPED, ClaimResult, ConnItem, LeaseStore, Outcome, SessionInfo, classify
 from fleetd.sink import Cursor, Sink
 from fleetd.stats import Stats
@@ -46,7 +46,7 @@ from fleetd.upstream import Connection
 log = logging.getLogger("fleetd.shard")
 Reporter = Callable[[dict[str, Any]], None]
 _SELF_ADOPT_EVERY = 12  # reconcile rounds between scans for items we own but do not hold
-HINT_BURST = 10  # a full SQS receive: a peer is handing over many streams at once
+HINT_BURST = 10  # messages in a full SQS receive: a peer is handing over many streams at once
 # An item no claim can succeed on (its attributes do not fit the claim) is skipped this long, then tried
 # again in case it was fixed.  Without the skip, every reconcile round spent claims on such items, and
 # enough of them at the head of the index starved every good free item (fault suite, issue #7).
@@ -606,28 +606,32 @@ class Shard:
         if not poll.done():
             poll.cancel()
             return
+        hints = poll.result()
         taken: list[str] = []
         returned: list[str] = []
         ours: list[str] = []
         claims: list[str] = []
-        hints = poll.result()
+        leftover: list[str] = []
         for hint in hints:
-            if hint.connection_id in self.held:
-                # `ctl start` of an item we hold (e.g. a new URL for a parked one): read it now
-                # rather than at the next full sweep.
-                ours.append(hint.connection_id)
-                taken.append(hint.receipt)
-            elif len(claims) >= self.free_capacity() or self._is_stopping():
-                returned.append(hint.receipt)
-            else:
-                claims.append(hint.connection_id)
-                taken.append(hint.receipt)
-        # Concurrently: a peer handing over 1,000 streams sends 100 batches of hints.
+            # `ctl start` of an item we hold (e.g. a new URL for a parked one): read it now
+            # rather than at the next full sweep.
+            ours += [cid for cid in hint.connection_ids if cid in self.held]
+            rest = [cid for cid in hint.connection_ids if cid not in self.held]
+            room = 0 if self._is_stopping() else self.free_capacity() - len(claims)
+            if rest and room <= 0 and len(rest) == len(hint.connection_ids):
+                returned.append(hint.receipt)  # nothing in it for us: visible to peers at once
+                continue
+            claims += rest[:max(0, room)]
+            leftover += rest[max(0, room):]
+            taken.append(hint.receipt)
+        # Concurrently: a peer handing over 1,000 streams hints them a hundred at a time.
         await _bounded(claims, self.cfg.lease.claim_concurrency, lambda cid: self.claim(cid, source="hint"))
         if len(hints) >= HINT_BURST and self.wake_reconcile is not None:
-            # A full batch means a burst (a peer released its streams): the reconcile's GSI query
-            # picks them up in bulk, faster than one receive of ten hints at a time.
+            # A full receive means a burst (a peer released its streams): the reconcile's GSI
+            # query picks up in bulk what the hints still queued name.
             self.wake_reconcile.set()
+        if leftover:  # we took part of a message: the rest goes back to the queue for peers
+            await self.hints.send_start(leftover)
         if taken:
             await self.hints.ack(taken)
         if returned:
@@ -687,7 +691,8 @@ class Shard:
         h.conn = self._connect(item, h.cursor, last)  # same cursor: seqs keep increasing on it
 
     async def _release_many(self, ids: list[str], hint: bool) -> None:
-        """Close, flush and release these connections; optionally send START hints for them."""
+        """Close, flush and release these connections; optionally send START hints for them,
+        each batch as soon as its releases are done (peers claim while the rest is released)."""
         entries = [(cid, self.held[cid]) for cid in ids if cid in self.held]
         for _, h in entries:
             h.releasing = True
@@ -697,31 +702,36 @@ class Shard:
         # A release given up after a throttled call leaves the item owned until its lease (or our
         # session) expires: a TTL of outage instead of a hint's second.  Retry it for one phase.
         until = self.clock.monotonic() + phase_s
+        stream = HintStream(self.hints) if hint else None
 
-        async def release(entry: tuple[str, Held]) -> Outcome:
+        async def release(entry: tuple[str, Held]) -> None:
             cid, h = entry
             outcome = await _retrying(lambda: self.leases.release(
                 cid, h.item.lease_owner or self.session.session_id, h.epoch, h.cursor.last_seq), until, self.clock)
             self.held.pop(cid, None)
             self.sink.deactivate(h.cursor)
             self.stats.inc("lease_releases_total", result=outcome.value)
-            return outcome
+            if stream is not None and outcome is Outcome.WON:
+                stream.add(cid)
 
-        outcomes = await _bounded(entries, self.cfg.lease.claim_concurrency, release)
-        released = [cid for (cid, _), o in zip(entries, outcomes, strict=True) if o is Outcome.WON]
-        if hint and released:
-            await self._send_hints(released)
-
-    async def _send_hints(self, ids: list[str]) -> None:
-        """START hints, bounded like one AWS call: they only speed a handover up, and an unreachable
-        SQS (whose client waits out a long-poll read timeout per attempt) would otherwise eat the
-        whole shutdown budget.  Without them peers find the released items at their next reconcile."""
         try:
-            await asyncio.wait_for(self.hints.send_start(ids), self.cfg.aws.aws_timeout_s)
-        except TimeoutError:
-            self.stats.inc("hints_total", float(len(ids)), kind="send_failed")
+            await _bounded(entries, self.cfg.lease.claim_concurrency, release)
+        except asyncio.CancelledError:  # out of shutdown budget: still hint what was released
+            if stream is not None:
+                await self._finish_hints(stream, 1.0)
+            raise
+        if stream is not None:
+            await self._finish_hints(stream, self.cfg.aws.aws_timeout_s)
+
+    async def _finish_hints(self, stream: HintStream, timeout_s: float) -> None:
+        """Wait for the START hints, bounded like one AWS call: they only speed a handover up, and
+        an unreachable SQS (whose client waits out a long-poll read timeout per attempt) would
+        otherwise eat the whole shutdown budget.  Peers find unhinted items at their next reconcile."""
+        unsent = await stream.close(timeout_s)
+        if unsent:
+            self.stats.inc("hints_total", float(unsent), kind="send_failed")
             log.warning("START hints not sent in time; peers will find the released items by reconcile",
-                        extra={"count": len(ids)})
+                        extra={"count": unsent})
 
     async def _checkpoint_loop(self) -> None:
         assert self.stopping is not None
