@@ -18,18 +18,28 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
+import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from bench.audit import Audit, check
 from bench.common import FAST_BASELINE, FAST_FLEETD, Context, UpstreamPool, seed, wait_attached
+from bench.meter import CpuWatch
 from bench.procs import ddb, owners
 from bench.sut import System, Tables, baseline_worker, fleetd_task, kill_tree, live_sessions
 
 TASKS = 3
 EVENTS = {"fleetd": ("sigterm_task", "sigkill_shard", "sigkill_task"), "baseline": ("sigterm_task", "sigkill_task")}
 RECOVERY_TIMEOUT_S = {"sigterm_task": 90.0, "sigkill_shard": 90.0, "sigkill_task": 150.0}
+# fleetd rebalances every `rebalance_s` (30 s by default).  Trials follow each other within seconds, so
+# its tasks look every 5 s here, and each trial waits until no task holds over 1.2 × its share, as a
+# deploy that pauses between tasks would see (a fleet it restarted, balanced again).
+REBALANCE_S = "5"
+BALANCED = 1.2
+BALANCE_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -50,11 +60,8 @@ class Fleet:
         return out
 
 
-def run(ctx: Context) -> dict[str, Any]:
-    results: dict[str, Any] = {}
-    for kind in ("fleetd", "baseline"):
-        results[kind] = run_system(ctx, kind)
-    return results
+def run(ctx: Context, systems: tuple[str, ...] = tuple(EVENTS)) -> dict[str, Any]:
+    return {kind: run_system(ctx, kind) for kind in systems}
 
 
 def run_system(ctx: Context, kind: str) -> dict[str, Any]:
@@ -74,7 +81,18 @@ def run_system(ctx: Context, kind: str) -> dict[str, Any]:
             ctx.stop(system)
         for p in fleet.pool.procs:
             ctx.stop(p)
-    return {"trials": trials, "final_audit": final, "summary": summarize(trials, EVENTS[kind])}
+    return {"trials": trials, "final_audit": final, "summary": summarize(trials, EVENTS[kind]),
+            "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit()}
+
+
+def commit() -> str:
+    """The checkout's commit (results kept from an earlier run say which code made them)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).parent)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
 
 
 def start_fleet(ctx: Context, kind: str) -> Fleet:
@@ -98,7 +116,8 @@ def start_task(ctx: Context, fleet: Fleet, task: str) -> System:
     if fleet.kind == "fleetd":
         timings = FAST_FLEETD if ctx.profile.fast_timings else {}
         system, _ = fleetd_task(task, 1, fleet.tables, ctx.logs, ctx.sut_env(metered=False),
-                                FLEETD_MAX_CONNECTIONS_PER_SHARD=str(n), **timings)
+                                FLEETD_MAX_CONNECTIONS_PER_SHARD=str(n), FLEETD_REBALANCE_S=REBALANCE_S,
+                                **timings)
     else:
         extra = FAST_BASELINE if ctx.profile.fast_timings else ()
         system, _ = baseline_worker(task, fleet.tables, ctx.logs, ctx.sut_env(metered=False), *extra)
@@ -112,9 +131,10 @@ def run_trial(ctx: Context, fleet: Fleet, event: str) -> dict[str, Any]:
     streams = fleet.pool.streams()
     before = {cid: int(streams[cid]["connections"]) for cid in affected}
     floor = {cid: max(1, int(streams[cid]["produced"]) - 20) for cid in affected}
+    watch = CpuWatch(cpu_groups(ctx, fleet, victim))
     t0 = time.monotonic()
     fire(fleet, victim, event)
-    recovered = wait_recovered(fleet.pool, before, RECOVERY_TIMEOUT_S[event])
+    recovered = wait_recovered(fleet.pool, before, RECOVERY_TIMEOUT_S[event], watch.poll)
     times = sorted(t - t0 for t in recovered.values())
     restart(ctx, fleet, victim, event)
     settle(ctx, fleet)
@@ -124,8 +144,18 @@ def run_trial(ctx: Context, fleet: Fleet, event: str) -> dict[str, Any]:
         "recovery_p50_s": _q(times, 0.5), "recovery_p99_s": _q(times, 0.99),
         "recovery_max_s": round(times[-1], 3) if times else None,
         "missing_seqs": verdict.missing_seqs, "double_streaming": len(verdict.overlaps),
-        "recovery_times_s": [round(t, 3) for t in times],
+        "recovery_times_s": [round(t, 3) for t in times], "cpu_cores": watch.cores(),
     }
+
+
+def cpu_groups(ctx: Context, fleet: Fleet, victim: str) -> dict[str, list[int]]:
+    """Whose CPU a trial's recovery window is split into (the profile of a handover)."""
+    servers = ctx.stack.pids() if ctx.stack is not None else {}
+    return {"dynalite": [servers["dynalite"]] if "dynalite" in servers else [],
+            "moto (SQS)": [servers["moto"]] if "moto" in servers else [],
+            "victim": [fleet.systems[victim].pid],
+            "peers": [s.pid for task, s in fleet.systems.items() if task != victim],
+            "upstreams": [p.proc.pid for p in fleet.pool.procs]}
 
 
 def fire(fleet: Fleet, victim: str, event: str) -> None:
@@ -141,13 +171,15 @@ def fire(fleet: Fleet, victim: str, event: str) -> None:
         os.kill(pids[0], signal.SIGKILL)
 
 
-def wait_recovered(pool: UpstreamPool, before: dict[str, int], timeout_s: float) -> dict[str, float]:
-    """Monotonic time at which each stream got a new socket attached (polled every 0.1 s)."""
+def wait_recovered(pool: UpstreamPool, before: dict[str, int], timeout_s: float,
+                   tick: Callable[[], None] = lambda: None) -> dict[str, float]:
+    """Monotonic time at which each stream got a new socket attached (polled every 0.1 s; ``tick`` each poll)."""
     done: dict[str, float] = {}
     deadline = time.monotonic() + timeout_s
     while len(done) < len(before) and time.monotonic() < deadline:
         streams = pool.streams()
         now = time.monotonic()
+        tick()
         for cid, seen in before.items():
             s = streams[cid]
             if cid not in done and int(s["connections"]) > seen and int(s["attached"]) > 0:
@@ -167,9 +199,24 @@ def restart(ctx: Context, fleet: Fleet, victim: str, event: str) -> None:
 
 
 def settle(ctx: Context, fleet: Fleet) -> None:
-    """Every stream attached again and a little more, so the next trial starts from a calm fleet."""
+    """Every stream attached again and a little more, so the next trial starts from a calm fleet; for
+    fleetd, also balanced again (it rebalances; the baseline has no way to)."""
     wait_attached(fleet.pool, len(fleet.ids), 120, ctx.progress, f"failover {fleet.kind} settle")
+    if fleet.kind == "fleetd":
+        wait_balanced(ctx, fleet)
     time.sleep(2.0)
+
+
+def wait_balanced(ctx: Context, fleet: Fleet) -> None:
+    """Until no task holds more than ``BALANCED`` × its share (bounded: a trial then starts unbalanced)."""
+    limit = BALANCED * len(fleet.ids) / TASKS
+    deadline = time.monotonic() + BALANCE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        counts = {task: len(ids) for task, ids in fleet.holdings().items()}
+        if max(counts.values()) <= limit:
+            return
+        time.sleep(1.0)
+    ctx.progress(f"failover {fleet.kind}: not balanced after {BALANCE_TIMEOUT_S:.0f} s: {counts}")
 
 
 def audit_range(tables: Tables, floor: dict[str, int]) -> Audit:
@@ -222,8 +269,14 @@ def summarize(trials: list[dict[str, Any]], events: tuple[str, ...]) -> dict[str
             "trial_max_s": [t["recovery_max_s"] for t in rows],
             "missing_seqs": sum(t["missing_seqs"] for t in rows),
             "double_streaming": sum(t["double_streaming"] for t in rows),
+            "cpu_cores": _mean_cores([t["cpu_cores"] for t in rows if "cpu_cores" in t]),
         }
     return out
+
+
+def _mean_cores(per_trial: list[dict[str, float]]) -> dict[str, float]:
+    groups = dict.fromkeys(g for cores in per_trial for g in cores)
+    return {g: round(sum(c.get(g, 0.0) for c in per_trial) / len(per_trial), 2) for g in groups}
 
 
 def _q(values: list[float], q: float) -> float | None:

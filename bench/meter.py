@@ -227,3 +227,43 @@ def sample(pids: Iterable[int]) -> ProcSample:
         except psutil.NoSuchProcess:
             continue
     return ProcSample(time.monotonic(), rss, cpu, n)
+
+
+class CpuWatch:
+    """CPU seconds each group of process trees spends over a window, polled (``poll``) while it runs.
+
+    Each process is credited with what it used between its first and its last poll, so one that
+    exits mid-window (a killed or stopping task) keeps what was seen of it, and one started
+    mid-window (a restarted shard) counts from zero.
+    """
+
+    def __init__(self, groups: dict[str, list[int]]) -> None:
+        self.groups = groups
+        self.first: dict[tuple[str, int], float] = {}
+        self.last: dict[tuple[str, int], float] = {}
+        self.t0 = time.monotonic()
+        self.t1 = self.t0
+        self._poll(initial=True)
+
+    def poll(self) -> None:
+        self._poll(initial=False)
+
+    def _poll(self, initial: bool) -> None:
+        for group, roots in self.groups.items():
+            for p in tree(roots):
+                try:
+                    t = p.cpu_times()
+                except psutil.NoSuchProcess:
+                    continue
+                key = (group, p.pid)
+                self.first.setdefault(key, t.user + t.system if initial else 0.0)
+                self.last[key] = t.user + t.system
+        self.t1 = time.monotonic()
+
+    def cores(self) -> dict[str, float]:
+        """Mean cores busy per group over the window (1.0 = one core all the time)."""
+        window = max(1e-3, self.t1 - self.t0)
+        busy = dict.fromkeys(self.groups, 0.0)
+        for (group, pid), cpu in self.last.items():
+            busy[group] += cpu - self.first[(group, pid)]
+        return {group: round(cpu / window, 2) for group, cpu in busy.items()}

@@ -238,6 +238,12 @@ def failover_section(out: Path, res: dict[str, Any]) -> str:
                                                                                   fs[event]["p99_s"])])
     plot_failover(out, res)
     note = (f"Run with the `{res['profile']}` profile ({res.get('note', '')}).\n\n" if res.get("profile") else "")
+    made = [f"{system} trials finished {res[system]['finished']} at commit `{res[system]['commit']}`"
+            for system in ("fleetd", "baseline") if "commit" in res.get(system, {})]
+    note += ("; ".join(made) + ". " if made else "") + (
+        "Before each trial the fleet settles: every stream attached again and, for fleetd, no task over "
+        "1.2 × its share (fleetd rebalances, here every 5 s; the baseline cannot, so its victim, the "
+        "task holding most, holds more).\n\n")
     return ("## Failover (three tasks sharing the connections)\n\n" + note
             + "Recovery = time from the event until a new socket is attached to the stream (it resumes with "
             "`from_seq`), per affected stream, polled every 0.1 s.\n\n"
@@ -247,7 +253,22 @@ def failover_section(out: Path, res: dict[str, Any]) -> str:
                                                                     "baseline ÷ fleetd"], ratio_rows)
             + "\n\nWhole messages table audited at the end (`bench.audit`):\n\n"
             + table(["system", "missing seqs", "double streaming", "redelivered frames", "items"], finals)
+            + cpu_profile(res)
             + "\n\n![failover](failover.png)")
+
+
+def cpu_profile(res: dict[str, Any]) -> str:
+    """Where the CPU went while the affected streams recovered (the handover's profile)."""
+    summaries = [(system, event, s["cpu_cores"]) for system in ("fleetd", "baseline")
+                 for event, s in res.get(system, {}).get("summary", {}).items() if s.get("cpu_cores")]
+    if not summaries:
+        return ""
+    groups = list(dict.fromkeys(g for _, _, cores in summaries for g in cores))
+    rows = [[system, event, *(cores.get(g, 0.0) for g in groups), round(sum(cores.values()), 2)]
+            for system, event, cores in summaries]
+    return ("\n\nWhere the CPU went while the affected streams recovered: cores busy, from the event until "
+            "the last stream had a socket again, mean over the trials (psutil; 1.0 = one core; the "
+            "machine's cores are in the header):\n\n" + table(["system", "event", *groups, "total"], rows))
 
 
 def plot_failover(out: Path, res: dict[str, Any]) -> None:

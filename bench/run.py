@@ -7,6 +7,8 @@ test, shows progress on stderr, stops every process it started, and writes
 already in ``DIR`` (same profile) are kept, so scenarios can be run one at a time.  ``--smoke`` is the CI
 size (≤ 3 minutes for ``all``, short leases); ``--quick`` ≤ 15 minutes; neither
 flag: the full run whose results are committed under ``bench/results/<date>/``.
+``--systems fleetd`` (failover only) re-runs one system's trials and keeps the other's
+from ``DIR``: the baseline's full-size trials take an hour and do not change with fleetd.
 """
 
 from __future__ import annotations
@@ -34,7 +36,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="all scenarios in <= 15 minutes")
     size.add_argument("--smoke", action="store_true", help="CI size: <= 3 minutes, asserts invariants only")
-    return p.parse_args(argv)
+    p.add_argument("--systems", default="fleetd,baseline",
+                   help="failover only: the systems to run; the others' results already in --out are kept")
+    args = p.parse_args(argv)
+    args.systems = tuple(x.strip() for x in args.systems.split(",") if x.strip())
+    if not args.systems or set(args.systems) - set(failover.EVENTS):
+        p.error(f"--systems takes a comma-separated subset of {','.join(failover.EVENTS)}")
+    if args.scenario != "failover" and set(args.systems) != set(failover.EVENTS):
+        p.error("--systems applies to --scenario failover only")
+    return args
 
 
 def earlier(out: Path, profile: str) -> dict[str, Any]:
@@ -46,12 +56,15 @@ def earlier(out: Path, profile: str) -> dict[str, Any]:
     return dict(doc["results"]) if doc.get("profile") == profile else {}
 
 
-def run_scenarios(ctx: Context, names: tuple[str, ...]) -> dict[str, Any]:
-    results = {k: v for k, v in earlier(ctx.out, ctx.profile.name).items() if k not in names}
+def run_scenarios(ctx: Context, names: tuple[str, ...],
+                  systems: tuple[str, ...] = tuple(failover.EVENTS)) -> dict[str, Any]:
+    before = earlier(ctx.out, ctx.profile.name)
+    results = {k: v for k, v in before.items() if k not in names}
+    kept = {k: v for k, v in before.get("failover", {}).items() if k in failover.EVENTS and k not in systems}
     steps: dict[str, Callable[[], dict[str, Any]]] = {
         "density": lambda: density.run(ctx),
         "throughput": lambda: throughput.run(ctx),
-        "failover": lambda: failover.run(ctx),
+        "failover": lambda: {**kept, **failover.run(ctx, systems)},
         "cost": lambda: cost.run(ctx, results.get("density")),
     }
     for name in names:
@@ -87,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     names = SCENARIOS if args.scenario == "all" else (args.scenario,)
     with opened(args.out, profile) as ctx:
         ctx.progress(f"bench {args.scenario} ({profile.name}) → {args.out}")
-        run_scenarios(ctx, names)
+        run_scenarios(ctx, names, args.systems)
         ctx.progress(f"done: {args.out / 'report.md'}")
     return 0
 

@@ -75,6 +75,17 @@ class LeaseConfig:
         "Longest time a changed connection goes without a checkpoint (bounds the replay after a crash).",
         default=300.0,
     )
+    rebalance_s: float = _doc(
+        "Session mode: interval between load comparisons with a sample of live sessions; a shard over "
+        "its share hands streams straight to the emptiest (one write each). 0 disables.", default=30.0)
+    rebalance_tolerance: float = _doc(
+        "A shard hands streams over above (1 + this) x the fleet's mean load, to peers below (1 - this) x.",
+        default=0.1)
+    rebalance_max_moves: int = _doc("Streams one shard hands over per rebalance round at most.", default=200)
+    dead_session_grace_s: float = _doc(
+        "A dead session that owns nothing is forgotten only this long after it died: a claim it sent "
+        "just before dying can land one SDK retry window later, and only a listed session's items are "
+        "found.  At least `aws_timeout_s` x `aws_max_attempts`.", default=60.0)
     renew_concurrency: int = _doc("Item mode: renewals in flight at once per shard.", default=64)
     claim_concurrency: int = _doc("Claims in flight at once per shard during reconcile.", default=32)
     clock_offset_ms: int = _doc(
@@ -324,6 +335,9 @@ def _checks(cfg: Config) -> Iterator[tuple[bool, str]]:
         f"lease_ttl_s ({le.lease_ttl_s}), or a healthy shard would self-fence"
     )
     yield 0 <= le.reconcile_jitter < 1, f"reconcile_jitter must be in [0, 1) (got {le.reconcile_jitter})"
+    yield le.rebalance_s >= 0, f"rebalance_s must be >= 0 (got {le.rebalance_s})"
+    yield 0 < le.rebalance_tolerance < 1, f"rebalance_tolerance must be in (0, 1) (got {le.rebalance_tolerance})"
+    yield le.rebalance_max_moves >= 1, "rebalance_max_moves must be >= 1"
     yield le.renew_concurrency >= 1, "renew_concurrency must be >= 1"
     yield le.claim_concurrency >= 1, "claim_concurrency must be >= 1"
     for name in ("connections_table", "sessions_table", "messages_table"):
@@ -334,6 +348,9 @@ def _checks(cfg: Config) -> Iterator[tuple[bool, str]]:
     yield aw.aws_timeout_s > 0 and aw.aws_max_attempts >= 1 and aw.aws_max_pool >= 1, (
         "aws_timeout_s, aws_max_attempts and aws_max_pool must be positive"
     )
+    yield le.dead_session_grace_s >= aw.aws_timeout_s * aw.aws_max_attempts, (
+        f"dead_session_grace_s ({le.dead_session_grace_s}) must be >= aws_timeout_s x aws_max_attempts "
+        f"({aw.aws_timeout_s} x {aw.aws_max_attempts}), or a late claim could orphan an item")
     yield bool(up.allowed_schemes), "allowed_schemes must not be empty"
     bad = [s for s in up.allowed_schemes if s not in ("ws", "wss")]
     yield not bad, f"allowed_schemes may contain only ws and wss (got {','.join(bad)})"

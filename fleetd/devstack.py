@@ -128,6 +128,11 @@ class DevStack:
     def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
 
+    def pids(self) -> dict[str, int]:
+        """The running servers' pids, by name (``dynalite``, ``moto``): the bench measures their CPU."""
+        procs = {"dynalite": self._dynalite, "moto": self._moto}
+        return {name: p.pid for name, p in procs.items() if p is not None and p.poll() is None}
+
     def _log(self, name: str) -> Path | None:
         if self.log_dir is None:
             return None

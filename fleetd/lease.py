@@ -14,6 +14,7 @@ exceptions:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import random
 import socket
@@ -127,6 +128,16 @@ class SessionInfo:
     pid: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class SessionLoad:
+    """A live session's load, as its last heartbeat recorded it."""
+
+    session_id: str
+    held: int
+    capacity: int
+    draining: bool
+
+
 RequestHook = Callable[[str, Outcome], None]
 
 
@@ -151,6 +162,10 @@ class LeaseStore:
         self.on_request = on_request
         self.ttl_ms = int(lease.lease_ttl_s * 1000)
         self.skew_ms = int(lease.safety_margin_s * 1000)
+        # A dead session's record outlives its last possible claim: a claim sent just before the
+        # session's deadline can land up to one SDK retry window later, and an item it wins then
+        # is found only through `by_owner` of a session still listed in `by_expiry`.
+        self.dead_grace_ms = int(lease.dead_session_grace_s * 1000)
 
     async def _call(self, op: str, **kwargs: Any) -> dict[str, Any]:
         """One DynamoDB request, reported to the hook; exceptions propagate."""
@@ -401,20 +416,100 @@ class LeaseStore:
             limit, TableName=self.sessions, IndexName=EXPIRY_INDEX,
             KeyConditionExpression="kind = :k AND expires_at_ms < :t", ExpressionAttributeValues=values)]
 
-    async def session_is_dead(self, session_id: str) -> bool:
-        """Consistent read: missing or expired beyond the skew.  Final, since expiry is permanent."""
+    async def live_loads(self, sample: int) -> list[SessionLoad]:
+        """The load of up to ``sample`` live sessions, picked at random from ``by_expiry`` (eventually
+        consistent, as fresh as their last heartbeat; a sample keeps the cost flat as the fleet grows)."""
+        values = {":k": _s(SESSION_KIND), ":t": _n(self.clock.now_ms() + self.skew_ms)}
+        ids = [k["session_id"]["S"] async for k in self._query(
+            1000, TableName=self.sessions, IndexName=EXPIRY_INDEX,
+            KeyConditionExpression="kind = :k AND expires_at_ms > :t", ExpressionAttributeValues=values)]
+        keys = [{"session_id": _s(sid)} for sid in random.sample(ids, min(sample, len(ids), BATCH_GET_MAX))]
+        loads: list[SessionLoad] = []
+        while keys:
+            resp = await self._call("BatchGetItem", RequestItems={self.sessions: {
+                "Keys": keys, "ProjectionExpression": "session_id, held, #cap, draining",
+                "ExpressionAttributeNames": {"#cap": "capacity"}}})  # a reserved word
+            for raw in resp.get("Responses", {}).get(self.sessions, []):
+                with contextlib.suppress(KeyError, ValueError, TypeError):  # a malformed session: skip it
+                    loads.append(SessionLoad(raw["session_id"]["S"], _num(raw, "held"), _num(raw, "capacity"),
+                                             bool(raw.get("draining", {}).get("BOOL", False))))
+            keys = resp.get("UnprocessedKeys", {}).get(self.sessions, {}).get("Keys", [])
+            if keys:  # rare and best effort: one short pause, then what is left
+                await asyncio.sleep(0.05 + 0.05 * random.random())
+        return loads
+
+    async def push(self, connection_id: str, me: str, epoch: int, last_seq: int, to: str) -> Outcome:
+        """Session mode: hand a held item straight to the live session ``to`` (rebalancing), recording
+        the final ``last_seq``.  ``to`` adopts it with a claim conditioned on being its owner."""
+        outcome, _ = await self._write(
+            "UpdateItem",
+            TableName=self.conns,
+            Key={"connection_id": _s(connection_id)},
+            UpdateExpression="SET lease_owner = :to, last_seq = :seq, updated_at_ms = :now ADD lease_epoch :one",
+            ConditionExpression="lease_owner = :me AND lease_epoch = :epoch AND desired_state = :started",
+            ExpressionAttributeValues={":to": _s(to), ":seq": _n(last_seq), ":now": _n(self.clock.now_ms()),
+                                       ":one": _n(1), ":me": _s(me), ":epoch": _n(epoch), ":started": _s(STARTED)},
+        )
+        return outcome
+
+    async def session_expiry(self, session_id: str) -> int | None:
+        """``expires_at_ms`` by a consistent read; None when the session item does not exist."""
         resp = await self._call("GetItem", TableName=self.sessions, ConsistentRead=True,
                                 Key={"session_id": _s(session_id)})
         item = resp.get("Item")
-        return item is None or _num(item, "expires_at_ms") < self.clock.now_ms() - self.skew_ms
+        return None if item is None else _num(item, "expires_at_ms")
+
+    async def session_is_dead(self, session_id: str) -> bool:
+        """Consistent read: missing or expired beyond the skew.  Final, since expiry is permanent."""
+        expiry = await self.session_expiry(session_id)
+        return expiry is None or self.expired(expiry)
+
+    def expired(self, expiry_ms: int, grace_ms: int = 0) -> bool:
+        """A session with this expiry is dead for everyone (past the skew), and ``grace_ms`` more."""
+        return expiry_ms < self.clock.now_ms() - self.skew_ms - grace_ms
 
     async def delete_dead_session(self, session_id: str) -> Outcome:
+        """Forget a dead session that owns nothing, once ``dead_grace_ms`` past its death (LOST before)."""
         outcome, _ = await self._write(
             "DeleteItem",
             TableName=self.sessions,
             Key={"session_id": _s(session_id)},
             ConditionExpression="expires_at_ms < :t",
-            ExpressionAttributeValues={":t": _n(self.clock.now_ms() - self.skew_ms)},
+            ExpressionAttributeValues={":t": _n(self.clock.now_ms() - self.skew_ms - self.dead_grace_ms)},
+        )
+        return outcome
+
+    async def free_stopped(self, connection_id: str, owner: str) -> Outcome:
+        """Free a STOPPED item that ``owner`` owns but does not stream: a dead session's (nobody may
+        claim it, so no one else would clear its owner, and the dead session could never be
+        forgotten), or one handed to us that was stopped before we adopted it."""
+        return await self.disown(connection_id, owner, stopped_only=True)
+
+    async def disown(self, connection_id: str, owner: str, stopped_only: bool = False) -> Outcome:
+        """Make an item ``owner`` owns, and does not stream, free (its ``last_seq`` is kept)."""
+        cond = "lease_owner = :owner" + (" AND desired_state = :stopped" if stopped_only else "")
+        values = {":zero": _n(0), ":now": _n(self.clock.now_ms()), ":owner": _s(owner)}
+        if stopped_only:
+            values[":stopped"] = _s(STOPPED)
+        outcome, _ = await self._write(
+            "UpdateItem",
+            TableName=self.conns,
+            Key={"connection_id": _s(connection_id)},
+            UpdateExpression="SET lease_expires_at_ms = :zero, updated_at_ms = :now REMOVE lease_owner",
+            ConditionExpression=cond,
+            ExpressionAttributeValues=values,
+        )
+        return outcome
+
+    async def mark_draining(self, session_id: str) -> Outcome:
+        """Tell rebalancing peers not to hand us streams: we are shutting down."""
+        outcome, _ = await self._write(
+            "UpdateItem",
+            TableName=self.sessions,
+            Key={"session_id": _s(session_id)},
+            UpdateExpression="SET draining = :t",
+            ConditionExpression="expires_at_ms >= :now",
+            ExpressionAttributeValues={":t": {"BOOL": True}, ":now": _n(self.clock.now_ms())},
         )
         return outcome
 

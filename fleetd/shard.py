@@ -19,13 +19,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import os
 import random
 import signal
 import socket
 import threading
 import uuid
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from contextlib import AsyncExitStack, suppress
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +52,10 @@ HINT_BURST = 10  # messages in a full SQS receive: a peer is handing over many s
 # again in case it was fixed.  Without the skip, every reconcile round spent claims on such items, and
 # enough of them at the head of the index starved every good free item (fault suite, issue #7).
 _UNCLAIMABLE_RETRY_S = 300.0
+# Rebalancing compares our load with this many live sessions, picked at random: the read stays a few
+# units however big the fleet is, and a sample of ten estimates the mean load well enough for a 10 % band.
+REBALANCE_SAMPLE = 10
+RECEIVE_POLL_S = 1.0  # a shard below its share looks this often for streams handed to it
 
 
 class BootError(Exception):
@@ -123,11 +128,13 @@ class Shard:
         self.held: dict[str, Held] = {}
         self.claiming: set[str] = set()
         self.unclaimable: dict[str, float] = {}  # connection id → monotonic time it may be tried again
+        self.receiving_until = 0.0  # below our share until then: watch for streams handed to us
         self.session = SessionState()
         self.capacity = cfg.runtime.max_connections_per_shard
         self.stopping: asyncio.Event | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.replacing = asyncio.Lock()
+        self.adopting = asyncio.Lock()  # see _adopt_own_strays
         self.wake_reconcile: asyncio.Event | None = None
         self.hints_done: asyncio.Event | None = None
         self.leases: LeaseStore
@@ -160,7 +167,8 @@ class Shard:
             log.info("shard started", extra={"capacity": self.capacity, "mode": self.cfg.lease.lease_mode})
             async with asyncio.TaskGroup() as tg:
                 for loop in (self._heartbeat_loop, self._items_loop, self._fence_loop, self._reconcile_loop,
-                             self._hints_loop, self._desired_loop, self._checkpoint_loop, self._report_loop):
+                             self._hints_loop, self._desired_loop, self._checkpoint_loop, self._report_loop,
+                             *self._rebalance_loops()):
                     tg.create_task(loop(), name=loop.__name__)
                 tg.create_task(self.sink.run(self.sink_ddb, self.stopping), name="sink")
                 await self.stopping.wait()
@@ -326,7 +334,7 @@ class Shard:
     async def _renew_session(self) -> bool:
         started = self.clock.monotonic()
         sid = self.session.session_id
-        outcome, _ = await self.leases.renew_session(sid, held=len(self.held), draining=False)
+        outcome, _ = await self.leases.renew_session(sid, held=len(self.held), draining=self._is_stopping())
         self.stats.inc("lease_renewals_total", result=outcome.value)
         if outcome is Outcome.WON and sid == self.session.session_id:
             self.session.deadline = started + self.cfg.lease.lease_ttl_s - self.cfg.lease.safety_margin_s
@@ -423,7 +431,7 @@ class Shard:
             self.stats.inc("lease_claims_orphaned_total")
             return Outcome.LOST
         if result.outcome is Outcome.WON:
-            self.stats.inc("reconcile_claims_total" if source == "reconcile" else "hint_claims_total")
+            self.stats.inc(f"{source}_claims_total")  # reconcile, hint or handed
             self._adopt(cid, result)
         return result.outcome
 
@@ -449,6 +457,7 @@ class Shard:
 
     def _adopt(self, cid: str, result: ClaimResult) -> None:
         item = result.item
+        unreadable = item is None
         if item is None:
             # Claimed but unreadable: hold it parked so it does not bounce around the fleet.
             self.stats.inc("bad_items_total", reason="unparseable")
@@ -463,7 +472,8 @@ class Shard:
                     # checkpoint in the same tick (a burst of one write per connection).
                     checkpointed_at=now - random.uniform(0, self.cfg.lease.checkpoint_idle_s))
         self.held[cid] = held
-        held.conn = self._connect(item, cursor, last_seq)
+        # Parked (counted once, as unparseable: it has no URL to be bad) until a `ctl start` fixes it.
+        held.conn = None if unreadable else self._connect(item, cursor, last_seq)
 
     def _connect(self, item: ConnItem, cursor: Cursor, last_seq: int | None) -> Connection | None:
         try:
@@ -536,24 +546,52 @@ class Shard:
         return await self._claim_free()
 
     async def _take_over(self, dead: str) -> bool:
-        """Claim a confirmed-dead session's items; delete it once it owns nothing.  True when done."""
-        if not await self.leases.session_is_dead(dead):
+        """Claim a confirmed-dead session's items; forget it once it owns nothing.  True when done."""
+        expiry = await self.leases.session_expiry(dead)
+        if expiry is None:
+            return True  # a peer already forgot it
+        if not self.leases.expired(expiry):
             return False
         ids = [cid for cid in await self.leases.items_of(dead) if not self._skipped(cid)]
         random.shuffle(ids)
         ids = ids[: max(0, self.free_capacity())]
-        await _bounded(ids, self.cfg.lease.claim_concurrency, lambda cid: self.claim(cid, dead_owner=dead))
-        if not await self.leases.items_of(dead, limit=1):
-            await self.leases.delete_dead_session(dead)
-            return True
-        return False
+        outcomes = await _bounded(ids, self.cfg.lease.claim_concurrency, lambda cid: self.claim(cid, dead_owner=dead))
+        # A claim loses on a STOPPED item (or one a peer took first): free those still the dead's.
+        lost = [cid for cid, o in zip(ids, outcomes, strict=True) if o is Outcome.LOST]
+        freed = await _bounded(lost, self.cfg.lease.claim_concurrency,
+                               lambda cid: self.leases.free_stopped(cid, dead))
+        self.stats.inc("dead_session_stopped_freed_total", float(sum(o is Outcome.WON for o in freed)))
+        if await self.leases.items_of(dead, limit=1) or not self.leases.expired(expiry, self.leases.dead_grace_ms):
+            return False  # keep looking until no late claim of the dead session can land
+        return await self.leases.delete_dead_session(dead) in (Outcome.WON, Outcome.LOST)  # LOST: a peer did
 
-    async def _adopt_own_strays(self) -> None:
-        """Items owned by our session that we do not hold (an ambiguous claim we reported as failed)."""
-        me = self.session.session_id
-        strays = [cid for cid in await self.leases.items_of(me) if cid not in self.held]
-        for cid in strays[: max(0, self.free_capacity())]:
-            await self.claim(cid, dead_owner=me)
+    async def _adopt_own_strays(self, source: str = "reconcile") -> None:
+        """Items owned by our session that we do not hold: handed to us by a peer (rebalancing), or an
+        ambiguous claim we reported as failed.  One scan at a time: this is the only path that claims
+        an item we own, so an item it frees cannot be one a concurrent claim is adopting."""
+        async with self.adopting:
+            me = self.session.session_id
+            strays = [cid for cid in await self.leases.items_of(me) if cid not in self.held]
+            room = max(0, self.free_capacity())
+            take, excess = strays[:room], strays[room:]
+            outcomes = await _bounded(take, self.cfg.lease.claim_concurrency,
+                                      lambda cid: self.claim(cid, dead_owner=me, source=source))
+            # Stopped since it was handed to us: free it, or it stays ours and unstreamed for good.
+            lost = [cid for cid, o in zip(take, outcomes, strict=True) if o is Outcome.LOST]
+            await _bounded(lost, self.cfg.lease.claim_concurrency, lambda cid: self.leases.free_stopped(cid, me))
+            if excess and self._may_claim() and me == self.session.session_id:
+                await self._give_back(excess, me)
+
+    async def _give_back(self, ids: list[str], me: str) -> None:
+        """Handed more than we have room for (a peer's view of our load was stale): free them, with hints."""
+        outcomes = await _bounded(ids, self.cfg.lease.claim_concurrency, lambda cid: self.leases.disown(cid, me))
+        freed = [cid for cid, o in zip(ids, outcomes, strict=True) if o is Outcome.WON]
+        self.stats.inc("rebalance_given_back_total", float(len(freed)))
+        if freed:
+            stream = HintStream(self.hints)
+            for cid in freed:
+                stream.add(cid)
+            await self._finish_hints(stream, self.cfg.aws.aws_timeout_s)
 
     async def _claim_free(self) -> bool:
         """Claim one step of free items; True if there may be more (reconcile again soon).
@@ -570,6 +608,104 @@ class Shard:
         random.shuffle(ids)  # peers scanning the same index should not all race for the same items
         outcomes = await _bounded(ids[:want], self.cfg.lease.claim_concurrency, self.claim)
         return len(ids) > want or (len(ids) == want and all(o is Outcome.WON for o in outcomes))
+
+    # ----- rebalancing -------------------------------------------------------------------------------
+
+    def _rebalance_loops(self) -> tuple[Callable[[], Coroutine[Any, Any, None]], ...]:
+        """Session mode only: an item-mode lease carries its own expiry, which a hand-over would have to renew."""
+        if self.cfg.lease.lease_mode != "session" or self.cfg.lease.rebalance_s <= 0:
+            return ()
+        return self._rebalance_loop, self._receive_loop
+
+    async def _rebalance_loop(self) -> None:
+        """Every ``rebalance_s``, compare our load with a sample of live peers' and hand streams straight
+        to the emptiest when we hold more than our share.  Without it a task started by a deploy or a
+        scale-out stays empty while its peers run hot, and their next SIGTERM or crash hands over (and
+        waits for) all those extra streams (bench failover: one task came to hold all 1,500)."""
+        assert self.stopping is not None
+        le = self.cfg.lease
+        delay = random.uniform(0.5, min(5.0, le.rebalance_s))  # soon after boot: a new shard wants streams
+        # A peer may hand us streams before our first look (we boot empty): watch until then.
+        self.receiving_until = self.clock.monotonic() + delay + RECEIVE_POLL_S
+        # After a hand-over, the peer's `held` reads stale until it adopted the streams and heartbeat
+        # twice; a look before that sees it as empty still and hands it more, which it hands back.
+        settle_s = 2 * le.heartbeat_s + 2 * RECEIVE_POLL_S
+        while not await _wait(self.stopping, delay):
+            moved = False
+            try:
+                moved = await self._rebalance()
+            except Exception as e:
+                log.warning("rebalance failed", extra={"error": f"{type(e).__name__}: {e}"})
+            delay = le.rebalance_s * (1 + random.uniform(-1, 1) * le.reconcile_jitter)
+            if moved:
+                delay = max(delay, settle_s)
+
+    async def _rebalance(self) -> bool:
+        """One look; True when streams were handed over."""
+        le = self.cfg.lease
+        me = self.session.session_id
+        peers = [p for p in await self.leases.live_loads(REBALANCE_SAMPLE)
+                 if p.session_id != me and not p.draining and p.capacity > 0]
+        if not peers or not self._may_claim():
+            self.receiving_until = 0.0
+            return False
+        share = (len(self.held) + sum(p.held for p in peers)) / (self.capacity + sum(p.capacity for p in peers))
+        load = len(self.held) / self.capacity
+        # Below the mean: peers may hand us streams until our next look (they target a wider margin).
+        self.receiving_until = self.clock.monotonic() + 2 * le.rebalance_s if load < share else 0.0
+        high, low = share * (1 + le.rebalance_tolerance), share * (1 - le.rebalance_tolerance)
+        target = min(peers, key=lambda p: p.held / p.capacity)
+        if load <= high or target.held / target.capacity >= low:
+            return False
+        # Every shard over the band may pick the same target in this round: split its room between them.
+        over = 1 + sum(1 for p in peers if p.held / p.capacity > high)
+        room = math.floor(share * target.capacity) - target.held
+        n = min(len(self.held) - math.ceil(share * self.capacity), -(-room // over), le.rebalance_max_moves)
+        if n <= 0:
+            return False
+        await self._hand_over(target.session_id, n)
+        return True
+
+    async def _hand_over(self, to: str, n: int) -> None:
+        """Close ``n`` streams, flush them and make the live session ``to`` their owner, one write each
+        (a release then a claim would be two, and whichever peer claimed first would get them, not the
+        one with room).  ``to`` adopts them within ``RECEIVE_POLL_S``."""
+        movable = [cid for cid, h in self.held.items() if not h.releasing and h.conn is not None]
+        entries = [(cid, self.held[cid]) for cid in random.sample(movable, min(n, len(movable)))]
+        for _, h in entries:
+            h.releasing = True
+        await asyncio.gather(*(h.conn.close() for _, h in entries if h.conn is not None))
+        phase_s = min(5.0, self.cfg.runtime.shutdown_budget_s / 4)
+        await self.sink.wait_durable(self.sink_ddb, [h.cursor for _, h in entries], timeout_s=phase_s)
+        until = self.clock.monotonic() + phase_s
+
+        async def push(entry: tuple[str, Held]) -> bool:
+            cid, h = entry
+            outcome = await _retrying(lambda: self.leases.push(
+                cid, h.item.lease_owner or self.session.session_id, h.epoch, h.cursor.last_seq, to), until, self.clock)
+            self.stats.inc("rebalance_moves_total", result=outcome.value)
+            if outcome is Outcome.WON:
+                self.held.pop(cid, None)
+                self.sink.deactivate(h.cursor)
+            return outcome is Outcome.WON
+
+        moved = await _bounded(entries, self.cfg.lease.claim_concurrency, push)
+        # Not moved, or not known to be: a conditional release and a hint are right whatever the push did.
+        failed = [cid for (cid, _), ok in zip(entries, moved, strict=True) if not ok]
+        if failed:
+            await self._release_many(failed, hint=True)
+        log.info("streams handed to a peer", extra={"to": to, "moved": len(entries) - len(failed),
+                                                    "released": len(failed)})
+
+    async def _receive_loop(self) -> None:
+        """While below our share, adopt what peers handed us (``by_owner`` = our session) every second."""
+        assert self.stopping is not None
+        while not await _wait(self.stopping, RECEIVE_POLL_S):
+            if self.clock.monotonic() < self.receiving_until and self._may_claim() and self.free_capacity() > 0:
+                try:
+                    await self._adopt_own_strays(source="handed")
+                except Exception as e:
+                    log.warning("adopting handed streams failed", extra={"error": f"{type(e).__name__}: {e}"})
 
     # ----- hints -----------------------------------------------------------------------------------
 
@@ -806,6 +942,8 @@ class Shard:
         budget = self.cfg.runtime.shutdown_budget_s
         started = self.clock.monotonic()
         log.info("shutting down", extra={"held": len(self.held)})
+        # Rebalancing peers must stop handing us streams; alongside the releases, it costs them no time.
+        draining = asyncio.ensure_future(self._mark_draining())
         # Never hold a socket past our fence deadline, even while shutting down.
         limit = min(budget - 2.0, self._next_deadline() - started)
         try:
@@ -816,12 +954,17 @@ class Shard:
         for h in self.held.values():
             if h.conn is not None:
                 h.conn.fence()
+        await draining
         sid = self.session.session_id
         with suppress(TimeoutError):  # expired now, peers take over what we could not release at once
             await asyncio.wait_for(_retrying(lambda: self.leases.expire_session(sid),
                                              self.clock.monotonic() + 1.5, self.clock), 1.5)
         self.report()
         log.info("shard stopped", extra={"seconds": round(self.clock.monotonic() - started, 3)})
+
+    async def _mark_draining(self) -> None:
+        with suppress(Exception):  # best effort: a peer that still hands us streams gets them back
+            await asyncio.wait_for(self.leases.mark_draining(self.session.session_id), 1.0)
 
 
 _MISSING_CODES = frozenset({"ResourceNotFoundException", "AWS.SimpleQueueService.NonExistentQueue",

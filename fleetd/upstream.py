@@ -44,6 +44,11 @@ def resume_url(url: str, param: str, from_seq: int) -> str:
     return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query)))
 
 
+def _valid_close_code(code: int) -> bool:
+    """A status code an endpoint may send (RFC 6455 §7.4.1, IANA registry: 1012–1014 added later)."""
+    return 1000 <= code <= 1003 or 1007 <= code <= 1014 or 3000 <= code <= 4999
+
+
 class _Listener(WSListener):
     """picows callbacks for one socket; forwards to its :class:`Connection`.
 
@@ -52,8 +57,9 @@ class _Listener(WSListener):
     before the last one's final fragment, a continuation with no message to
     continue) are counted as ``protocol`` rejects and tolerated: the unfinished
     message is dropped, the frames around it are kept.  Errors picows catches
-    itself (reserved opcodes, masked or oversized control frames, bad CLOSE
-    codes) make it close with 1002, counted here on disconnect.
+    itself (reserved opcodes, masked or oversized control frames, some bad CLOSE
+    codes) make it close with 1002, counted here on disconnect; the bad CLOSE codes
+    it passes on are counted and answered with 1002 here.
 
     No ``__slots__``: picows keeps a weak reference to the listener for its
     pause/resume_writing hooks.
@@ -64,6 +70,7 @@ class _Listener(WSListener):
         self.fragments: bytearray | None = None  # a text message being reassembled
         self.skipping = False  # inside a fragmented binary message (rejected once, continuations ignored)
         self.closed_oversized = False  # we closed with 1009 ourselves (and counted it)
+        self.closed_protocol = False  # we answered an invalid CLOSE code with 1002 (and counted it)
 
     def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
         mt = frame.msg_type
@@ -77,12 +84,26 @@ class _Listener(WSListener):
             if not self.closed_oversized:  # frames still buffered after our own 1009 close are moot
                 self._data_frame(transport, frame)
         elif mt is WSMsgType.CLOSE:
-            # picows does not answer a CLOSE itself (NOTES.md): echo it, then hang up.
-            # Echoing "no status" (1005) literally would be a protocol error: answer 1000 then.
-            code = frame.get_close_code()
-            if not transport.is_close_frame_sent:
-                transport.send_close(WSCloseCode.OK if code is WSCloseCode.NO_INFO else code)
-            transport.disconnect()
+            self._on_close(transport, frame)
+
+    def _on_close(self, transport: WSTransport, frame: WSFrame) -> None:
+        """picows does not answer a CLOSE itself (NOTES.md): echo it, then hang up.
+
+        Echoing "no status" literally would be a protocol error: answer 1000 then.  A code
+        RFC 6455 §7.4 forbids on the wire (1006, 1015, ≥ 5000 …) passes picows's own checks:
+        count it as a protocol error and answer 1002 rather than echo an invalid code.
+        """
+        code = frame.get_close_code()
+        reply = code
+        if code == WSCloseCode.NO_INFO:
+            reply = WSCloseCode.OK
+        elif not _valid_close_code(int(code.value)):
+            self.closed_protocol = True
+            self.conn.reject("protocol")
+            reply = WSCloseCode.PROTOCOL_ERROR
+        if not transport.is_close_frame_sent:
+            transport.send_close(reply)
+        transport.disconnect()
 
     def _data_frame(self, transport: WSTransport, frame: WSFrame) -> None:
         """Every data frame off the fast path: fragments, binary, fragmentation errors."""
@@ -137,7 +158,7 @@ class _Listener(WSListener):
         if code == WSCloseCode.MESSAGE_TOO_BIG.value and not self.closed_oversized:
             # picows refused a frame above max_frame_size and closed with 1009 itself.
             self.conn.reject("oversized")
-        elif code == WSCloseCode.PROTOCOL_ERROR.value:
+        elif code == WSCloseCode.PROTOCOL_ERROR.value and not self.closed_protocol:
             # picows refused a malformed frame (reserved opcode, masked, bad control frame) with 1002.
             self.conn.reject("protocol")
         self.conn.on_disconnected()

@@ -36,6 +36,7 @@ def test_writes_report_plots_and_results(smoke: tuple[Path, dict[str, Any]]) -> 
     report = (out / "report.md").read_text()
     for heading in ("## Targets", "## Density", "## Throughput", "## Failover", "## Cost"):
         assert heading in report
+    assert "Where the CPU went while the affected streams recovered" in report
     for plot in ("density.png", "throughput.png", "failover.png", "cost.png"):
         assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -61,6 +62,8 @@ def test_failover_invariants(smoke: tuple[Path, dict[str, Any]]) -> None:
             assert trial["recovered"] == trial["affected"], trial
             assert trial["missing_seqs"] == 0, trial
             assert trial["double_streaming"] == 0, trial
+            # The recovery's CPU profile: dynalite served every claim, the peers made them.
+            assert trial["cpu_cores"]["dynalite"] > 0 and trial["cpu_cores"]["peers"] > 0, trial["cpu_cores"]
         final = res["final_audit"]
         assert final["missing_seqs"] == 0, final
         assert final["double_streaming"] == 0, final

@@ -121,8 +121,13 @@ def test_sessions_cannot_come_back_and_dead_items_move(cfg: Config) -> None:
                 r = await leases.claim(cid, "peer", dead_owner="t/0/x")
                 assert r.outcome is Outcome.WON and r.item is not None and r.item.lease_owner == "peer"
             assert await leases.items_of("t/0/x") == []
+            # Listed for the grace period, so a claim it sent just before dying is still found...
+            assert await leases.delete_dead_session("t/0/x") is Outcome.LOST
+            assert "t/0/x" in await leases.expired_sessions()
+            clock.advance(cfg.lease.dead_session_grace_s)
             assert await leases.delete_dead_session("t/0/x") is Outcome.WON
             assert "t/0/x" not in await leases.expired_sessions()
+            assert await leases.session_expiry("t/0/x") is None
 
     arun(main())
 
@@ -181,6 +186,29 @@ def test_stopped_held_lists_only_stopped_items_someone_holds(cfg: Config, mode: 
             assert await leases.stopped_held() == ["held-stopped"]
             await leases.release("held-stopped", "task/0/n", 1, 0)
             assert await leases.stopped_held() == []
+
+    arun(main())
+
+
+def test_free_stopped_frees_only_a_dead_owners_stopped_items(cfg: Config) -> None:
+    async def main() -> None:
+        async with clients(cfg) as c:
+            leases = store(c.dynamodb, cfg)
+            for cid in ("stopped-dead", "started-dead", "stopped-other"):
+                await put_item(c.dynamodb, cfg, cid)
+                owner = "other/0/o" if cid == "stopped-other" else "dead/0/d"
+                assert (await leases.claim(cid, owner)).outcome is Outcome.WON
+            for cid in ("stopped-dead", "stopped-other"):
+                await c.dynamodb.update_item(TableName=cfg.aws.connections_table, Key={"connection_id": {"S": cid}},
+                                             UpdateExpression="SET desired_state = :s",
+                                             ExpressionAttributeValues={":s": {"S": "STOPPED"}})
+            assert await leases.free_stopped("stopped-dead", "dead/0/d") is Outcome.WON
+            assert await leases.free_stopped("started-dead", "dead/0/d") is Outcome.LOST  # claimable instead
+            assert await leases.free_stopped("stopped-other", "dead/0/d") is Outcome.LOST
+            assert await leases.items_of("dead/0/d") == ["started-dead"]
+            item = (await c.dynamodb.get_item(TableName=cfg.aws.connections_table,
+                                              Key={"connection_id": {"S": "stopped-dead"}}))["Item"]
+            assert "lease_owner" not in item and item["lease_expires_at_ms"] == {"N": "0"}
 
     arun(main())
 
@@ -248,5 +276,60 @@ def test_claim_whose_response_was_lost_is_reported_won(cfg: Config, mode: str) -
             assert result.item.lease_owner == "me" and result.item.lease_epoch == 1
             # A plain lost race is still LOST.
             assert (await leases.claim("amb", "other")).outcome is Outcome.LOST
+
+    arun(main())
+
+
+def test_live_loads_samples_live_sessions_with_their_load(cfg: Config) -> None:
+    clock = ManualClock()
+
+    async def main() -> None:
+        async with clients(cfg) as c:
+            leases = store(c.dynamodb, cfg, clock)
+            for i in range(12):
+                assert await leases.create_session(SessionInfo(f"t/{i}/s", "t", i, 100 + i)) is Outcome.WON
+                assert (await leases.renew_session(f"t/{i}/s", held=i))[0] is Outcome.WON
+            assert await leases.expire_session("t/0/s") is Outcome.WON
+            assert await leases.mark_draining("t/1/s") is Outcome.WON
+            loads = await leases.live_loads(sample=50)
+            assert sorted(x.session_id for x in loads) == sorted(f"t/{i}/s" for i in range(1, 12))
+            by_id = {x.session_id: x for x in loads}
+            assert by_id["t/5/s"].held == 5 and by_id["t/5/s"].capacity == 105 and not by_id["t/5/s"].draining
+            assert by_id["t/1/s"].draining
+            assert len(await leases.live_loads(sample=4)) == 4
+            clock.advance(cfg.lease.lease_ttl_s)
+            assert await leases.live_loads(sample=50) == []  # nobody renewed
+
+    arun(main())
+
+
+def test_push_hands_an_item_to_another_session_in_one_write(cfg: Config) -> None:
+    async def main() -> None:
+        async with clients(cfg) as c:
+            leases = store(c.dynamodb, cfg)
+            for cid in ("p1", "p2"):
+                await put_item(c.dynamodb, cfg, cid)
+            r = await leases.claim("p1", "a/0/x")
+            assert r.item is not None
+            epoch = r.item.lease_epoch
+            assert await leases.push("p1", "a/0/x", epoch + 1, 7, "b/0/y") is Outcome.LOST  # a stale epoch
+            assert await leases.push("p1", "b/0/y", epoch, 7, "c/0/z") is Outcome.LOST  # not the owner
+            assert await leases.push("p1", "a/0/x", epoch, 7, "b/0/y") is Outcome.WON
+            assert await leases.items_of("b/0/y") == ["p1"]
+            # The new owner adopts it with a claim conditioned on being its owner; nobody else can take it.
+            assert (await leases.claim("p1", "c/0/z")).outcome is Outcome.LOST
+            got = await leases.claim("p1", "b/0/y", dead_owner="b/0/y")
+            assert got.outcome is Outcome.WON and got.item is not None
+            assert got.item.last_seq == 7 and got.item.lease_epoch == epoch + 2
+            # A stopped item is not handed over: it is released by its owner instead.
+            r2 = await leases.claim("p2", "a/0/x")
+            assert r2.item is not None
+            await c.dynamodb.update_item(TableName=cfg.aws.connections_table, Key={"connection_id": {"S": "p2"}},
+                                         UpdateExpression="SET desired_state = :s",
+                                         ExpressionAttributeValues={":s": {"S": "STOPPED"}})
+            assert await leases.push("p2", "a/0/x", r2.item.lease_epoch, 0, "b/0/y") is Outcome.LOST
+            assert await leases.disown("p2", "b/0/y") is Outcome.LOST
+            assert await leases.disown("p2", "a/0/x") is Outcome.WON
+            assert await leases.items_of("a/0/x") == []
 
     arun(main())

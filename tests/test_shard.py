@@ -20,8 +20,10 @@ import uvloop
 from fleetd import cli, config
 from fleetd.config import Config
 from fleetd.devstack import DevStack
+from fleetd.schema import HELD_BY_SESSION, SESSION_KIND
 from fleetd.shard import Shard
 from tests.fleet import (
+    FleetdProc,
     UpstreamProc,
     audit,
     ddb,
@@ -161,11 +163,13 @@ def test_sigkill_one_of_two_shards_peer_takes_all(
 def test_sigterm_hands_over_through_hints(cfg: Config, upstream: UpstreamProc, tmp_path: Path, mode: str) -> None:
     conns = ids(100)
     seed_items(cfg, {cid: upstream.url(cid) for cid in conns})
-    a = start_shard(cfg, tmp_path, 0, task="a", FLEETD_LEASE_MODE=mode)
+    # No rebalancing: b must get the streams through the SIGTERM's hints, not before.
+    a = start_shard(cfg, tmp_path, 0, task="a", FLEETD_LEASE_MODE=mode, FLEETD_REBALANCE_S="0")
     try:
         wait_for(lambda: held_by(cfg).get("", 0) == 0, 30, 0.5, "a to claim all")
         # Long reconcile on b: it can only learn about the released items through hints.
-        b = start_shard(cfg, tmp_path, 0, task="b", FLEETD_LEASE_MODE=mode, FLEETD_RECONCILE_S="60")
+        b = start_shard(cfg, tmp_path, 0, task="b", FLEETD_LEASE_MODE=mode, FLEETD_RECONCILE_S="60",
+                        FLEETD_REBALANCE_S="0")
         wait_for(lambda: any("shard started" in str(r.get("event")) for r in b.logs()), 20, 0.2, "b up")
         time.sleep(2)
         a.signal(signal.SIGTERM)
@@ -310,3 +314,96 @@ def test_shard_without_tables_exits_with_boot_error(cfg: Config, tmp_path: Path)
         assert any("fleetd init" in str(r.get("reason", "")) for r in shard.logs())
     finally:
         stop_all(shard)
+
+
+def test_dead_session_is_emptied_then_forgotten_after_its_grace(cfg: Config, upstream: UpstreamProc) -> None:
+    """Its STARTED items are claimed, its STOPPED ones freed, and an item its late claim wins while
+    it is still listed is found too; only after ``dead_session_grace_s`` is it deleted."""
+    cfg = fast(cfg, dead_session_grace_s=15.0)
+    dead, table = "gone/0/d", cfg.aws.connections_table
+
+    def owned_by_dead(cid: str, state: str = "STARTED") -> None:
+        ddb().put_item(TableName=table, Item={
+            "connection_id": {"S": cid}, "desired_state": {"S": state}, "ws_url": {"S": upstream.url(cid)},
+            "lease_owner": {"S": dead}, "lease_expires_at_ms": {"N": str(HELD_BY_SESSION)},
+            "lease_epoch": {"N": "1"}, "last_seq": {"N": "0"}})
+
+    owned_by_dead("live")
+    owned_by_dead("stopped", "STOPPED")
+    ddb().put_item(TableName=cfg.aws.sessions_table, Item={
+        "session_id": {"S": dead}, "kind": {"S": SESSION_KIND},
+        "expires_at_ms": {"N": str(int(time.time() * 1000) - 2_000)}})
+    t = ShardThread(cfg)
+    try:
+        wait_for(lambda: owners(cfg).get("live", dead) != dead and owners(cfg).get("stopped") == "", 15, 0.25,
+                 "live claimed and stopped freed")
+        assert t.counter("dead_session_stopped_freed_total") == 1
+        owned_by_dead("late")  # a claim the dead session sent before dying, landing now
+        wait_for(lambda: owners(cfg).get("late", dead) != dead, 10, 0.25, "the late item taken over")
+        assert "Item" in ddb().get_item(TableName=cfg.aws.sessions_table, Key={"session_id": {"S": dead}})
+        wait_for(lambda: "Item" not in ddb().get_item(TableName=cfg.aws.sessions_table,
+                                                      Key={"session_id": {"S": dead}}), 30, 0.5, "dead forgotten")
+        wait_for(lambda: all(upstream.stats().get(c, {}).get("attached") == 1 for c in ("live", "late")), 10, 0.25,
+                 "both streaming")
+    finally:
+        t.stop()
+
+
+def test_a_new_shard_gets_its_share_without_loss_or_overlap(
+        cfg: Config, upstream: UpstreamProc, tmp_path: Path) -> None:
+    """60 streams on shard a; shard b starts; a hands b half of them, one write each, b adopts them."""
+    conns = ids(60)
+    seed_items(cfg, {cid: upstream.url(cid) for cid in conns})
+    env = {"FLEETD_MAX_CONNECTIONS_PER_SHARD": "100", "FLEETD_REBALANCE_S": "2"}
+    a = start_shard(cfg, tmp_path, 0, task="a", **env)
+    b: FleetdProc | None = None
+    try:
+        wait_for(lambda: held_by(cfg).get("", 0) == 0, 30, 0.5, "a claims all 60")
+        before = {cid: int(s["connections"]) for cid, s in upstream.stats().items()}
+        b = start_shard(cfg, tmp_path, 0, task="b", **env)
+
+        def split() -> dict[str, int]:
+            return {t: sum(n for o, n in held_by(cfg).items() if o.startswith(f"{t}/")) for t in ("a", "b")}
+
+        wait_for(lambda: split()["b"] >= 27 and split()["a"] <= 33, 40, 0.5, "b to get its share")
+        wait_for(lambda: all(s["attached"] == 1 for s in upstream.stats().values()), 20, 0.5, "all attached")
+        moved = [cid for cid, s in upstream.stats().items() if int(s["connections"]) > before[cid]]
+        print(f"split {split()}, {len(moved)} streams moved")
+        assert 27 <= len(moved) <= 33, "only what b's share needed was moved"
+        assert all(int(s["connections"]) - before[cid] == (cid in moved) for cid, s in upstream.stats().items()), \
+            "a stream moved twice (handed back and forth)"
+        time.sleep(3)
+        for proc in (a, b):
+            proc.signal(signal.SIGTERM)
+        assert a.wait(20) == 0 and b.wait(20) == 0
+        assert_no_loss(cfg, upstream, conns)
+        assert audit(cfg, conns).overlaps(margin_ms=1000) == {}
+        assert max_concurrent(upstream, conns) == 1
+    finally:
+        stop_all(a, *([b] if b else []))
+
+
+def test_handed_more_than_room_gives_the_rest_back(cfg: Config, upstream: UpstreamProc) -> None:
+    """Streams handed to a shard on a stale view of its load: it adopts what fits, frees the rest, and
+    frees one stopped since it was handed over (none may stay owned and unstreamed)."""
+    st = ShardThread(fast(cfg, max_connections_per_shard=2))
+    try:
+        wait_for(lambda: st.shard.loop is not None and st.shard.session.session_id != "", 10, 0.1, "booted")
+        me, table = st.shard.session.session_id, cfg.aws.connections_table
+        for i, state in enumerate(("STARTED", "STARTED", "STARTED", "STARTED", "STOPPED")):
+            ddb().put_item(TableName=table, Item={
+                "connection_id": {"S": f"h{i}"}, "desired_state": {"S": state}, "ws_url": {"S": upstream.url(f"h{i}")},
+                "lease_owner": {"S": me}, "lease_expires_at_ms": {"N": str(HELD_BY_SESSION)},
+                "lease_epoch": {"N": "3"}, "last_seq": {"N": "0"}})
+        assert st.shard.loop is not None
+        asyncio.run_coroutine_threadsafe(st.shard._adopt_own_strays(source="handed"), st.shard.loop).result(20)
+        own = owners(cfg)
+        # Everything is streamed by us or free again; nothing stays ours unstreamed.
+        assert sorted(st.shard.held) == sorted(c for c in own if own[c] == me)
+        assert sorted(c for c in own if own[c] == "") == sorted(set(own) - set(st.shard.held))
+        assert own["h4"] == ""  # stopped: freed whether it was tried (claim refused) or left over
+        assert 1 <= len(st.shard.held) <= 2  # room for 2; 1 when the stopped one was among the 2 tried
+        assert st.counter("handed_claims_total") >= 1  # (the reconcile's own scan may adopt one too)
+        assert st.counter("rebalance_given_back_total") >= 2
+    finally:
+        st.stop()
