@@ -8,9 +8,13 @@ It reads every message item (``connection_id``, ``seq``, ``session_id``,
 * **redelivered** frames: frames the upstream sent more than once (a replay after a
   resume from the checkpoint).  Each collapses onto its own (connection, seq) item,
   so the table holds no duplicates; the count says how much was written twice;
-* **double streaming**: two sessions whose write windows (first to last
-  ``received_at_ms``) overlap by more than ``margin_ms``, or an upstream stream that
-  ever had two clients attached at once.
+* **double streaming**: two sessions whose write windows overlap by more than
+  ``margin_ms``, or an upstream stream that ever had two clients attached at once.
+  A window is a *tenure*: runs of consecutive seqs last written by one session (first
+  to last ``received_at_ms``), merged when less than ``margin_ms`` apart.  A stream
+  handed from A to B and later back to A (rebalancing) is three tenures, one after the
+  other; two sessions streaming at once leave the last writer of each seq alternating,
+  in one tenure each that overlap.
 
 Used by the integration tests, the fault suite and the bench's failover scenario.
 ``python -m bench.audit --messages-table T [--upstream URL ...]`` prints the report as JSON.
@@ -36,7 +40,9 @@ class Audit:
     """What the messages table says about each connection."""
 
     seqs: dict[str, set[int]]
-    writers: dict[str, dict[str, tuple[int, int]]]  # connection → session → (first, last) received_at_ms
+    # connection → run → (first, last) received_at_ms; a run is named by its session, "#2", "#3" …
+    # appended when the session comes back to the stream (see ``windows``)
+    writers: dict[str, dict[str, tuple[int, int]]]
 
     def missing(self, produced: Mapping[str, int] | None = None) -> dict[str, list[int]]:
         """Seqs absent between 1 and the last written (capped by ``produced``) one."""
@@ -53,9 +59,9 @@ class Audit:
     def overlaps(self, margin_ms: int) -> dict[str, list[tuple[str, str]]]:
         """Connections where two sessions wrote during overlapping windows (beyond ``margin_ms``)."""
         bad: dict[str, list[tuple[str, str]]] = {}
-        for cid, by_session in self.writers.items():
-            spans = sorted(by_session.items(), key=lambda kv: kv[1][0])
-            for (s1, (_, end1)), (s2, (start2, _)) in itertools.pairwise(spans):
+        for cid, runs in self.writers.items():
+            spans = sorted(_tenures(runs, margin_ms), key=lambda t: t[1])
+            for (s1, _, end1), (s2, start2, _) in itertools.pairwise(spans):
                 if start2 < end1 - margin_ms:
                     bad.setdefault(cid, []).append((s1, s2))
         return bad
@@ -68,18 +74,53 @@ class Audit:
 def audit(messages_table: str, ids: Iterable[str] | None = None) -> Audit:
     """Scan the messages table (only the attributes the checks need)."""
     wanted = set(ids) if ids is not None else None
-    seqs: dict[str, set[int]] = {}
-    writers: dict[str, dict[str, tuple[int, int]]] = {}
+    rows: dict[str, list[tuple[int, str, int]]] = {}
     projection = "connection_id, seq, session_id, received_at_ms"
     for item in scan_all(messages_table, ProjectionExpression=projection):
         cid = item["connection_id"]["S"]
         if wanted is not None and cid not in wanted:
             continue
-        seqs.setdefault(cid, set()).add(int(item["seq"]["N"]))
-        sess, at = item["session_id"]["S"], int(item["received_at_ms"]["N"])
-        first, last = writers.setdefault(cid, {}).get(sess, (at, at))
-        writers[cid][sess] = (min(first, at), max(last, at))
-    return Audit(seqs, writers)
+        rows.setdefault(cid, []).append((int(item["seq"]["N"]), item["session_id"]["S"],
+                                         int(item["received_at_ms"]["N"])))
+    return Audit({cid: {seq for seq, _, _ in r} for cid, r in rows.items()},
+                 {cid: windows(r) for cid, r in rows.items()})
+
+
+def _tenures(runs: Mapping[str, tuple[int, int]], margin_ms: int) -> list[tuple[str, int, int]]:
+    """Runs of one session less than ``margin_ms`` apart are one tenure: two sessions writing the same
+    frames at once leave the last writer of each seq alternating in short runs, and their tenures
+    then overlap; a session that got the stream back after a while starts a new tenure."""
+    by_session: dict[str, list[tuple[int, int]]] = {}
+    for key, window in runs.items():
+        by_session.setdefault(key.split("#", 1)[0], []).append(window)
+    out: list[tuple[str, int, int]] = []
+    for sess, spans in by_session.items():
+        spans.sort()
+        first, last = spans[0]
+        for start, end in spans[1:]:
+            if start - last < margin_ms:
+                last = max(last, end)
+            else:
+                out.append((sess, first, last))
+                first, last = start, end
+        out.append((sess, first, last))
+    return out
+
+
+def windows(rows: Iterable[tuple[int, str, int]]) -> dict[str, tuple[int, int]]:
+    """(seq, session, received_at_ms) of one stream → its runs' write windows (see the module doc)."""
+    out: dict[str, tuple[int, int]] = {}
+    runs: dict[str, int] = {}
+    key = ""
+    previous: str | None = None
+    for _, sess, at in sorted(rows):
+        if sess != previous:
+            runs[sess] = runs.get(sess, 0) + 1
+            key = sess if runs[sess] == 1 else f"{sess}#{runs[sess]}"
+            previous = sess
+        first, last = out.get(key, (at, at))
+        out[key] = (min(first, at), max(last, at))
+    return out
 
 
 @dataclass

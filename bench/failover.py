@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.audit import Audit, check
+from bench.audit import Audit, check, windows
 from bench.common import FAST_BASELINE, FAST_FLEETD, Context, UpstreamPool, seed, wait_attached
 from bench.meter import CpuWatch
 from bench.procs import ddb, owners
@@ -241,11 +241,10 @@ def audit_range(tables: Tables, floor: dict[str, int]) -> Audit:
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         for cid, items in pool.map(one, list(floor)):
             # Shift seqs so the audit's "1..top" range starts at the floor.
-            seqs[cid] = {int(i["seq"]["N"]) - floor[cid] + 1 for i in items}
-            for i in items:
-                sess, at = i["session_id"]["S"], int(i["received_at_ms"]["N"])
-                first, last = writers.setdefault(cid, {}).get(sess, (at, at))
-                writers[cid][sess] = (min(first, at), max(last, at))
+            rows = [(int(i["seq"]["N"]) - floor[cid] + 1, i["session_id"]["S"], int(i["received_at_ms"]["N"]))
+                    for i in items]
+            seqs[cid] = {seq for seq, _, _ in rows}
+            writers[cid] = windows(rows)
     return Audit(seqs, writers)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 import pytest
 
+from bench.audit import Audit, windows
 from bench.meter import touched
 
 pytestmark = pytest.mark.timeout(420)
@@ -83,3 +84,14 @@ def test_update_expression_analysis() -> None:
                             {"#o": "lease_owner"})
     assert sets == {"lease_owner", "lease_expires_at_ms", "lease_epoch"}
     assert removed == {"last_error"}
+
+
+def test_audit_tells_a_stream_handed_back_from_two_streamers() -> None:
+    # A → B → A (rebalanced, then back): three runs, one after the other.
+    back = [(s, "A", 1000 + s) for s in range(1, 11)] + [(s, "B", 2000 + s) for s in range(11, 21)] \
+        + [(s, "A", 3000 + s) for s in range(21, 31)]
+    assert windows(back) == {"A": (1001, 1010), "B": (2011, 2020), "A#2": (3021, 3030)}
+    assert Audit({"c": set(range(1, 31))}, {"c": windows(back)}).overlaps(margin_ms=500) == {}
+    # A and B both writing the same frames: the last writer of each seq alternates, their runs overlap.
+    both = [(s, "A" if s % 3 else "B", 1000 + 100 * s) for s in range(1, 31)]
+    assert Audit({"c": set(range(1, 31))}, {"c": windows(both)}).overlaps(margin_ms=500) != {}
