@@ -56,6 +56,7 @@ _UNCLAIMABLE_RETRY_S = 300.0
 # units however big the fleet is, and a sample of ten estimates the mean load well enough for a 10 % band.
 REBALANCE_SAMPLE = 10
 RECEIVE_POLL_S = 1.0  # a shard below its share looks this often for streams handed to it
+POLL_GRACE_S = 1.0  # a hint poll still open when the shard has stopped may answer this long
 
 
 class BootError(Exception):
@@ -740,8 +741,13 @@ class Shard:
         await asyncio.wait([poll, done], return_when=asyncio.FIRST_COMPLETED)
         done.cancel()
         if not poll.done():
-            poll.cancel()
-            return
+            # Shut down.  Our own START hints went out moments ago and may have been handed to this
+            # very poll: cancelled now, it would hide them from peers for VISIBILITY_S (a handover
+            # of 0.1 s took 3.5 s).  Let it answer, and give back what it got, as we are stopping.
+            await asyncio.wait([poll], timeout=POLL_GRACE_S)
+            if not poll.done():
+                poll.cancel()
+                return
         hints = poll.result()
         taken: list[str] = []
         returned: list[str] = []
@@ -955,12 +961,22 @@ class Shard:
             if h.conn is not None:
                 h.conn.fence()
         await draining
+        with suppress(Exception):  # best effort: otherwise peers take them over once our session ends
+            await asyncio.wait_for(self._free_strays(), 2.0)
         sid = self.session.session_id
         with suppress(TimeoutError):  # expired now, peers take over what we could not release at once
             await asyncio.wait_for(_retrying(lambda: self.leases.expire_session(sid),
                                              self.clock.monotonic() + 1.5, self.clock), 1.5)
         self.report()
         log.info("shard stopped", extra={"seconds": round(self.clock.monotonic() - started, 3)})
+
+    async def _free_strays(self) -> None:
+        """Streams a peer handed us as we began to stop (it read our load before we were draining):
+        free them now, with hints, rather than leave them to our session's expiry and the skew."""
+        me = self.session.session_id
+        strays = [cid for cid in await self.leases.items_of(me) if cid not in self.held]
+        if strays:
+            await self._give_back(strays, me)
 
     async def _mark_draining(self) -> None:
         with suppress(Exception):  # best effort: a peer that still hands us streams gets them back
