@@ -380,22 +380,43 @@ class LeaseStore:
         )
         return outcome
 
-    async def renew_session(self, session_id: str, held: int, draining: bool = False) -> tuple[Outcome, int]:
-        """Extend a live session; an expired one can never come back (condition on now)."""
+    async def renew_session(self, session_id: str, held: int,
+                            draining: bool = False) -> tuple[Outcome, int, bool]:
+        """Extend a live session; an expired one can never come back (condition on now).
+
+        Also takes the session's ``handed_at_ms`` mark (see ``notify_handed``): the third value
+        says whether a peer handed us streams since the last renewal.
+        """
         now = self.clock.now_ms()
         expires = now + self.ttl_ms
-        outcome, _ = await self._write(
+        outcome, resp = await self._write(
             "UpdateItem",
             TableName=self.sessions,
             Key={"session_id": _s(session_id)},
-            UpdateExpression="SET expires_at_ms = :exp, held = :held, draining = :dr, #ttl = :ttl",
+            UpdateExpression="SET expires_at_ms = :exp, held = :held, draining = :dr, #ttl = :ttl "
+                             "REMOVE handed_at_ms",
             ConditionExpression="expires_at_ms >= :now",
             ExpressionAttributeNames={"#ttl": "ttl"},
             ExpressionAttributeValues={":exp": _n(expires), ":now": _n(now), ":held": _n(held),
                                        ":dr": {"BOOL": draining},
                                        ":ttl": _n(expires // 1000 + SESSION_TTL_BACKSTOP_S)},
+            ReturnValues="UPDATED_OLD",
         )
-        return outcome, expires
+        handed = outcome is Outcome.WON and "handed_at_ms" in resp.get("Attributes", {})
+        return outcome, expires, handed
+
+    async def notify_handed(self, session_id: str) -> Outcome:
+        """Mark a live session as handed streams: its next renewal sees it even if its own view of
+        the fleet's load says it is not below its share, so it is not watching for them."""
+        outcome, _ = await self._write(
+            "UpdateItem",
+            TableName=self.sessions,
+            Key={"session_id": _s(session_id)},
+            UpdateExpression="SET handed_at_ms = :now",
+            ConditionExpression="expires_at_ms >= :now",
+            ExpressionAttributeValues={":now": _n(self.clock.now_ms())},
+        )
+        return outcome
 
     async def expire_session(self, session_id: str) -> Outcome:
         """End a session now (graceful end, or the supervisor burying a crashed shard)."""

@@ -335,8 +335,11 @@ class Shard:
     async def _renew_session(self) -> bool:
         started = self.clock.monotonic()
         sid = self.session.session_id
-        outcome, _ = await self.leases.renew_session(sid, held=len(self.held), draining=self._is_stopping())
+        outcome, _, handed = await self.leases.renew_session(sid, held=len(self.held), draining=self._is_stopping())
         self.stats.inc("lease_renewals_total", result=outcome.value)
+        if handed and sid == self.session.session_id:
+            # A peer handed us streams while our own view of the fleet did not have us watching.
+            self.receiving_until = max(self.receiving_until, self.clock.monotonic() + 2 * RECEIVE_POLL_S)
         if outcome is Outcome.WON and sid == self.session.session_id:
             self.session.deadline = started + self.cfg.lease.lease_ttl_s - self.cfg.lease.safety_margin_s
             return True
@@ -691,6 +694,11 @@ class Shard:
             return outcome is Outcome.WON
 
         moved = await _bounded(entries, self.cfg.lease.claim_concurrency, push)
+        if any(moved):
+            # It watches for handed streams only while it sees itself below its share; its view of
+            # the fleet may differ from ours.  Its next renewal takes this mark and it looks at once.
+            with suppress(Exception):
+                await self.leases.notify_handed(to)
         # Not moved, or not known to be: a conditional release and a hint are right whatever the push did.
         failed = [cid for (cid, _), ok in zip(entries, moved, strict=True) if not ok]
         if failed:

@@ -333,3 +333,19 @@ def test_push_hands_an_item_to_another_session_in_one_write(cfg: Config) -> None
             assert await leases.items_of("a/0/x") == []
 
     arun(main())
+
+
+def test_a_handed_mark_is_taken_by_the_next_renewal(cfg: Config) -> None:
+    async def main() -> None:
+        async with clients(cfg) as c:
+            leases = store(c.dynamodb, cfg)
+            assert await leases.create_session(SessionInfo("t/0/h", "t", 0, 100)) is Outcome.WON
+            assert (await leases.renew_session("t/0/h", held=0))[2] is False
+            assert await leases.notify_handed("t/0/h") is Outcome.WON
+            assert (await leases.renew_session("t/0/h", held=0))[2] is True
+            assert (await leases.renew_session("t/0/h", held=0))[2] is False  # taken once
+            assert await leases.expire_session("t/0/h") is Outcome.WON
+            assert await leases.notify_handed("t/0/h") is Outcome.LOST  # nobody left to tell
+            assert await leases.notify_handed("t/0/nobody") is Outcome.LOST
+
+    arun(main())
