@@ -65,6 +65,7 @@ def run(ctx: Context, systems: tuple[str, ...] = tuple(EVENTS)) -> dict[str, Any
 
 
 def run_system(ctx: Context, kind: str) -> dict[str, Any]:
+    made_by = commit()  # now: the checkout may move on while an hour of trials runs
     fleet = start_fleet(ctx, kind)
     trials: list[dict[str, Any]] = []
     try:
@@ -82,7 +83,7 @@ def run_system(ctx: Context, kind: str) -> dict[str, Any]:
         for p in fleet.pool.procs:
             ctx.stop(p)
     return {"trials": trials, "final_audit": final, "summary": summarize(trials, EVENTS[kind]),
-            "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit()}
+            "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": made_by}
 
 
 def commit() -> str:
