@@ -446,7 +446,9 @@ class LeaseStore:
             KeyConditionExpression="kind = :k AND expires_at_ms > :t", ExpressionAttributeValues=values)]
         keys = [{"session_id": _s(sid)} for sid in random.sample(ids, min(sample, len(ids), BATCH_GET_MAX))]
         loads: list[SessionLoad] = []
-        while keys:
+        for _ in range(3):  # best effort: a rebalance round can do without a throttled session or two
+            if not keys:
+                break
             resp = await self._call("BatchGetItem", RequestItems={self.sessions: {
                 "Keys": keys, "ProjectionExpression": "session_id, held, #cap, draining",
                 "ExpressionAttributeNames": {"#cap": "capacity"}}})  # a reserved word
@@ -455,7 +457,7 @@ class LeaseStore:
                     loads.append(SessionLoad(raw["session_id"]["S"], _num(raw, "held"), _num(raw, "capacity"),
                                              bool(raw.get("draining", {}).get("BOOL", False))))
             keys = resp.get("UnprocessedKeys", {}).get(self.sessions, {}).get("Keys", [])
-            if keys:  # rare and best effort: one short pause, then what is left
+            if keys:
                 await asyncio.sleep(0.05 + 0.05 * random.random())
         return loads
 
