@@ -676,12 +676,7 @@ class Shard:
         one with room).  ``to`` adopts them within ``RECEIVE_POLL_S``."""
         movable = [cid for cid, h in self.held.items() if not h.releasing and h.conn is not None]
         entries = [(cid, self.held[cid]) for cid in random.sample(movable, min(n, len(movable)))]
-        for _, h in entries:
-            h.releasing = True
-        await asyncio.gather(*(h.conn.close() for _, h in entries if h.conn is not None))
-        phase_s = min(5.0, self.cfg.runtime.shutdown_budget_s / 4)
-        await self.sink.wait_durable(self.sink_ddb, [h.cursor for _, h in entries], timeout_s=phase_s)
-        until = self.clock.monotonic() + phase_s
+        until = await self._quiesce(entries)
 
         async def push(entry: tuple[str, Held]) -> bool:
             cid, h = entry
@@ -840,18 +835,23 @@ class Shard:
         last = h.conn.last_received if h.conn is not None else (item.last_seq if item.last_seq >= 0 else None)
         h.conn = self._connect(item, h.cursor, last)  # same cursor: seqs keep increasing on it
 
-    async def _release_many(self, ids: list[str], hint: bool) -> None:
-        """Close, flush and release these connections; optionally send START hints for them,
-        each batch as soon as its releases are done (peers claim while the rest is released)."""
-        entries = [(cid, self.held[cid]) for cid in ids if cid in self.held]
+    async def _quiesce(self, entries: list[tuple[str, Held]]) -> float:
+        """Stop these streams before they change hands: close their sockets, flush their messages
+        (bounded by one phase); returns the deadline for the writes that hand them on."""
         for _, h in entries:
             h.releasing = True
         await asyncio.gather(*(h.conn.close() for _, h in entries if h.conn is not None))
         phase_s = min(5.0, self.cfg.runtime.shutdown_budget_s / 4)
         await self.sink.wait_durable(self.sink_ddb, [h.cursor for _, h in entries], timeout_s=phase_s)
+        return self.clock.monotonic() + phase_s
+
+    async def _release_many(self, ids: list[str], hint: bool) -> None:
+        """Close, flush and release these connections; optionally send START hints for them,
+        each batch as soon as its releases are done (peers claim while the rest is released)."""
+        entries = [(cid, self.held[cid]) for cid in ids if cid in self.held]
         # A release given up after a throttled call leaves the item owned until its lease (or our
         # session) expires: a TTL of outage instead of a hint's second.  Retry it for one phase.
-        until = self.clock.monotonic() + phase_s
+        until = await self._quiesce(entries)
         stream = HintStream(self.hints) if hint else None
 
         async def release(entry: tuple[str, Held]) -> None:
