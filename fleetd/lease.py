@@ -136,6 +136,7 @@ class SessionLoad:
     held: int
     capacity: int
     draining: bool
+    started_at_ms: int = 0  # 0: unknown (treated as long settled)
 
 
 RequestHook = Callable[[str, Outcome], None]
@@ -450,12 +451,13 @@ class LeaseStore:
             if not keys:
                 break
             resp = await self._call("BatchGetItem", RequestItems={self.sessions: {
-                "Keys": keys, "ProjectionExpression": "session_id, held, #cap, draining",
+                "Keys": keys, "ProjectionExpression": "session_id, held, #cap, draining, started_at_ms",
                 "ExpressionAttributeNames": {"#cap": "capacity"}}})  # a reserved word
             for raw in resp.get("Responses", {}).get(self.sessions, []):
                 with contextlib.suppress(KeyError, ValueError, TypeError):  # a malformed session: skip it
                     loads.append(SessionLoad(raw["session_id"]["S"], _num(raw, "held"), _num(raw, "capacity"),
-                                             bool(raw.get("draining", {}).get("BOOL", False))))
+                                             bool(raw.get("draining", {}).get("BOOL", False)),
+                                             _num(raw, "started_at_ms")))
             keys = resp.get("UnprocessedKeys", {}).get(self.sessions, {}).get("Keys", [])
             if keys:
                 await asyncio.sleep(0.05 + 0.05 * random.random())

@@ -631,9 +631,6 @@ class Shard:
         delay = random.uniform(0.5, min(5.0, le.rebalance_s))  # soon after boot: a new shard wants streams
         # A peer may hand us streams before our first look (we boot empty): watch until then.
         self.receiving_until = self.clock.monotonic() + delay + RECEIVE_POLL_S
-        # After a hand-over, the peer's `held` reads stale until it adopted the streams and heartbeat
-        # twice; a look before that sees it as empty still and hands it more, which it hands back.
-        settle_s = 2 * le.heartbeat_s + 2 * RECEIVE_POLL_S
         while not await _wait(self.stopping, delay):
             moved = False
             try:
@@ -642,14 +639,22 @@ class Shard:
                 log.warning("rebalance failed", extra={"error": f"{type(e).__name__}: {e}"})
             delay = le.rebalance_s * (1 + random.uniform(-1, 1) * le.reconcile_jitter)
             if moved:
-                delay = max(delay, settle_s)
+                delay = max(delay, self._settle_s())
+
+    def _settle_s(self) -> float:
+        """How long a session's recorded ``held`` may lag behind a burst of claims or adoptions: until
+        it heartbeat twice after them.  A look before that sees the peer emptier than it is and hands
+        it streams it then hands back (two shards booting together did so in CI)."""
+        return 2 * self.cfg.lease.heartbeat_s + 2 * RECEIVE_POLL_S
 
     async def _rebalance(self) -> bool:
         """One look; True when streams were handed over."""
         le = self.cfg.lease
         me = self.session.session_id
+        # A peer still booting has not recorded what it claimed yet: leave it out of the mean too.
+        settled_before = self.clock.now_ms() - int(self._settle_s() * 1000)
         peers = [p for p in await self.leases.live_loads(REBALANCE_SAMPLE)
-                 if p.session_id != me and not p.draining and p.capacity > 0]
+                 if p.session_id != me and not p.draining and p.capacity > 0 and p.started_at_ms <= settled_before]
         if not peers or not self._may_claim():
             self.receiving_until = 0.0
             return False

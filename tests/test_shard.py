@@ -383,6 +383,30 @@ def test_a_new_shard_gets_its_share_without_loss_or_overlap(
         stop_all(a, *([b] if b else []))
 
 
+def test_shards_booting_together_do_not_hand_streams_back_and_forth(
+        cfg: Config, upstream: UpstreamProc, tmp_path: Path) -> None:
+    """Two shards boot at once on 60 free items and look for imbalance every second.  Each one's
+    recorded load lags its claims by a heartbeat: a look at a booting peer must wait, or it hands
+    streams to a peer it sees empty, which then hands some back (CI saw 10 go one way, 5 back)."""
+    conns = ids(60)
+    seed_items(cfg, {cid: upstream.url(cid) for cid in conns})
+    env = {"FLEETD_MAX_CONNECTIONS_PER_SHARD": "100", "FLEETD_REBALANCE_S": "1"}
+    a = start_shard(cfg, tmp_path, 0, task="a", **env)
+    b = start_shard(cfg, tmp_path, 0, task="b", **env)
+    try:
+        wait_for(lambda: held_by(cfg).get("", 0) == 0, 30, 0.5, "all 60 claimed")
+        time.sleep(8)  # past the settle time (2 heartbeats + 2 s): later looks may hand, on a true view
+        handers = {p.log_path.name for p in (a, b)
+                   if any(r.get("event") == "streams handed to a peer" for r in p.logs())}
+        assert len(handers) <= 1, f"both shards handed streams to each other: {handers}"
+        for proc in (a, b):
+            proc.signal(signal.SIGTERM)
+        assert a.wait(20) == 0 and b.wait(20) == 0
+        assert_no_loss(cfg, upstream, conns)
+    finally:
+        stop_all(a, b)
+
+
 def test_handed_more_than_room_gives_the_rest_back(cfg: Config, upstream: UpstreamProc) -> None:
     """Streams handed to a shard on a stale view of its load: it adopts what fits, frees the rest, and
     frees one stopped since it was handed over (none may stay owned and unstreamed)."""
