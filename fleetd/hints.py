@@ -8,6 +8,11 @@ Body: ``{"type": "START", "connection_id": ID}`` (SPEC §2; what ``ctl start`` a
 other producers send) or ``{"type": "START", "connection_ids": [ID, …]}``, which a
 stopping shard uses to hand over its streams ``IDS_PER_MESSAGE`` at a time: ten
 times fewer SQS calls and messages, and a peer's receive returns a hundred hints.
+
+``{"type": "DEAD_SESSION", "session_id": SID}`` is what a supervisor sends when a
+crashed shard's successor will not boot at once (crash-loop backoff, a halt, a
+stop): a peer that receives it runs its reconcile now, which takes over the
+session the supervisor has just expired, instead of at its next ``reconcile_s``.
 """
 
 from __future__ import annotations
@@ -44,6 +49,11 @@ class Hint:
 
     connection_ids: tuple[str, ...]
     receipt: str
+    dead_session: str = ""  # a DEAD_SESSION message (it names no connection)
+
+
+def dead_session_body(session_id: str) -> str:
+    return orjson.dumps({"type": "DEAD_SESSION", "session_id": session_id}).decode()
 
 
 def start_body(connection_ids: Sequence[str]) -> str:
@@ -80,14 +90,15 @@ class Hints:
                                               WaitTimeSeconds=self.wait_s, VisibilityTimeout=VISIBILITY_S)
         hints: list[Hint] = []
         for msg in resp.get("Messages", []):
-            ids = _parse(msg.get("Body", ""))
-            if ids is None:
+            parsed = _parse(msg.get("Body", ""))
+            if parsed is None:
                 self.stats.inc("hints_total", kind="malformed")
                 log.warning("malformed hint dropped", extra={"body": str(msg.get("Body", ""))[:200]})
                 await self.ack([msg["ReceiptHandle"]])
                 continue
-            self.stats.inc("hints_total", float(len(ids)), kind="received")
-            hints.append(Hint(ids, msg["ReceiptHandle"]))
+            ids, dead = parsed
+            self.stats.inc("hints_total", float(len(ids) or 1), kind="dead_session" if dead else "received")
+            hints.append(Hint(ids, msg["ReceiptHandle"], dead))
         return hints
 
     async def ack(self, receipts: Iterable[str]) -> None:
@@ -126,6 +137,12 @@ class Hints:
             return ok
 
         return sum(await asyncio.gather(*(one(c) for c in _chunks(messages))))
+
+    async def send_dead_session(self, session_id: str, copies: int) -> None:
+        """Tell up to ``copies`` peers (each message wakes the one that receives it) that
+        ``session_id`` is expired and its streams are theirs to take now."""
+        entries = [{"Id": str(i), "MessageBody": dead_session_body(session_id)} for i in range(min(copies, 10))]
+        await self.sqs.send_message_batch(QueueUrl=await self._queue_url(), Entries=entries)
 
 
 class HintStream:
@@ -184,16 +201,22 @@ def _chunks(items: list[T], size: int = SEND_BATCH_MAX) -> Iterator[list[T]]:
         yield items[i:i + size]
 
 
-def _parse(body: str) -> tuple[str, ...] | None:
-    """The connection ids a START body names, or None when it is not a well-formed START hint."""
+def _parse(body: str) -> tuple[tuple[str, ...], str] | None:
+    """The connection ids a START body names (and no dead session), or the session a DEAD_SESSION
+    body names (and no ids); None when it is neither, well formed."""
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError:
         return None
-    if not isinstance(obj, dict) or obj.get("type") != "START":
+    if not isinstance(obj, dict):
+        return None
+    if obj.get("type") == "DEAD_SESSION":
+        sid = obj.get("session_id")
+        return ((), sid) if isinstance(sid, str) and sid else None
+    if obj.get("type") != "START":
         return None
     single, many = obj.get("connection_id"), obj.get("connection_ids")
     ids = [single] if many is None else many
     if not isinstance(ids, list) or not ids or not all(isinstance(c, str) and c for c in ids):
         return None
-    return tuple(ids)
+    return tuple(ids), ""

@@ -763,6 +763,14 @@ class Shard:
         claims: list[str] = []
         leftover: list[str] = []
         for hint in hints:
+            if hint.dead_session:
+                # A supervisor buried a crashed shard whose successor is not booting now: its streams
+                # are ours to take at once (the reconcile confirms the session is dead first).
+                (returned if self._is_stopping() else taken).append(hint.receipt)
+                if not self._is_stopping() and self.wake_reconcile is not None:
+                    log.info("dead session announced", extra={"dead_session": hint.dead_session})
+                    self.wake_reconcile.set()
+                continue
             # `ctl start` of an item we hold (e.g. a new URL for a parked one): read it now
             # rather than at the next full sweep.
             ours += [cid for cid in hint.connection_ids if cid in self.held]

@@ -56,6 +56,9 @@ log = logging.getLogger("fleetd.supervisor")
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 30.0
 HEALTHY_UPTIME_S = 60.0  # a shard that ran this long before dying restarts at the minimum backoff again
+# A successor booting later than this leaves the crashed shard's streams to peers, told at once.
+RESTART_SOON_S = 1.0
+DEAD_SESSION_COPIES = 3  # each wakes one peer; one may be too full to take them all
 EXPIRE_WAIT_S = 3.0  # a restart waits at most this long for its predecessor's session to be expired
 KILL_GRACE_S = 2.0  # added to shutdown_budget_s before stragglers are SIGKILLed
 TICK_S = 1.0  # upper bound of one wait: restarts and deadlines are checked at least this often
@@ -195,18 +198,19 @@ def shard_entry(cfg: Config, index: int, predecessor: str | None, reports: Conne
 # ----- AWS helper (worker thread) ---------------------------------------------------------------------
 
 
-def expire_session(cfg: Config, session_id: str) -> str:
+def expire_session(cfg: Config, session_id: str, wake_peers: bool = False) -> str:
     """End a dead shard's session now, so its successor may claim its items; returns the outcome.
+    With ``wake_peers``, also send DEAD_SESSION hints so that peers take them over at once.
 
     Runs in a worker thread with a short-lived event loop: the supervisor's own
     loop never hosts AWS code.  Failures are logged; the session then expires on
-    its own after the TTL.
+    its own after the TTL, and peers find it at their reconcile.
     """
     import asyncio
 
     started = time.monotonic()
     try:
-        outcome = asyncio.run(_expire(cfg, session_id))
+        outcome = asyncio.run(_expire(cfg, session_id, wake_peers))
     except Exception as e:
         log.warning("could not expire dead session", extra={"session_id": session_id,
                                                            "error": f"{type(e).__name__}: {e}"})
@@ -216,17 +220,37 @@ def expire_session(cfg: Config, session_id: str) -> str:
     return outcome
 
 
-async def _expire(cfg: Config, session_id: str) -> str:
+async def _expire(cfg: Config, session_id: str, wake_peers: bool) -> str:
     from aiobotocore.session import get_session
 
     from fleetd.aws import client_config, region_of
     from fleetd.clock import SystemClock
     from fleetd.lease import LeaseStore
 
-    async with get_session().create_client("dynamodb", region_name=region_of(cfg.aws),
-                                           config=client_config(cfg.aws)) as ddb:
+    session = get_session()
+    async with session.create_client("dynamodb", region_name=region_of(cfg.aws),
+                                      config=client_config(cfg.aws)) as ddb:
         store = LeaseStore(ddb, cfg.aws, cfg.lease, SystemClock(cfg.lease.clock_offset_ms))
-        return (await store.expire_session(session_id)).value
+        outcome = (await store.expire_session(session_id)).value
+    if wake_peers and outcome == "won":
+        await _announce_dead(session, cfg, session_id)
+    return outcome
+
+
+async def _announce_dead(session: Any, cfg: Config, session_id: str) -> None:
+    """DEAD_SESSION hints, best effort: without them peers still find the session at their reconcile."""
+    from fleetd.aws import client_config, region_of
+    from fleetd.hints import Hints
+    from fleetd.stats import Stats
+
+    try:
+        async with session.create_client("sqs", region_name=region_of(cfg.aws),
+                                         config=client_config(cfg.aws)) as sqs:
+            await Hints(sqs, cfg.aws.hints_queue, 0, Stats()).send_dead_session(session_id, DEAD_SESSION_COPIES)
+        log.info("dead session announced to peers", extra={"session_id": session_id})
+    except Exception as e:
+        log.warning("could not announce the dead session", extra={"session_id": session_id,
+                                                                   "error": f"{type(e).__name__}: {e}"})
 
 
 def _warm_up() -> None:
@@ -512,22 +536,25 @@ class Supervisor:
             slot.reports = None
         self.collector.shard_exited(slot.index)
         _log_exit(slot.index, pid, code, sid, uptime, self.stopping)
+        if uptime >= HEALTHY_UPTIME_S:
+            slot.backoff_s = BACKOFF_MIN_S
+        restarting = not self.stopping and code not in HALTING_EXITS
         if code != exits.OK and sid:
             slot.predecessor = sid
-            slot.expiring = self._expire(sid)
+            # A successor held back by the crash-loop backoff (or never coming) would leave the
+            # streams waiting for it, or for the peers' next reconcile: tell the peers instead.
+            slot.expiring = self._expire(sid, wake_peers=not restarting or slot.backoff_s > RESTART_SOON_S)
         if self.stopping:
             return
         if code in HALTING_EXITS:
             self._halt(slot, code)
             return
-        if uptime >= HEALTHY_UPTIME_S:
-            slot.backoff_s = BACKOFF_MIN_S
         self._schedule_restart(slot, now)
 
-    def _expire(self, session_id: str) -> Future[str] | None:
+    def _expire(self, session_id: str, wake_peers: bool) -> Future[str] | None:
         if self._helper is None:
             return None
-        fut = self._helper.submit(expire_session, self.cfg, session_id)
+        fut = self._helper.submit(expire_session, self.cfg, session_id, wake_peers)
         fut.add_done_callback(lambda _: self._wake())
         return fut
 

@@ -11,18 +11,21 @@ import pytest
 
 from fleetd.aws import Clients
 from fleetd.config import Config
-from fleetd.hints import IDS_PER_MESSAGE, Hints, HintStream, _parse, start_body
+from fleetd.hints import IDS_PER_MESSAGE, Hints, HintStream, _parse, dead_session_body, start_body
 from fleetd.stats import Stats
 from tests.helpers import arun, clients
 
 
-def test_parse_accepts_both_formats_and_rejects_the_rest() -> None:
-    assert _parse(start_body(["a"])) == ("a",)
+def test_parse_accepts_the_three_formats_and_rejects_the_rest() -> None:
+    assert _parse(start_body(["a"])) == (("a",), "")
     assert orjson.loads(start_body(["a"])) == {"type": "START", "connection_id": "a"}  # SPEC §2 for one id
-    assert _parse(start_body(["a", "b"])) == ("a", "b")
+    assert _parse(start_body(["a", "b"])) == (("a", "b"), "")
+    assert _parse(dead_session_body("t/0/s")) == ((), "t/0/s")
     for bad in ('{"type": "START", "connection_ids": []}', '{"type": "START", "connection_ids": ["a", 3]}',
                 '{"type": "START", "connection_ids": "a"}', '{"type": "START", "connection_id": ""}',
-                '{"type": "STOP", "connection_id": "a"}', '["START"]', "not json", ""):
+                '{"type": "STOP", "connection_id": "a"}', '["START"]', "not json", "",
+                '{"type": "DEAD_SESSION"}', '{"type": "DEAD_SESSION", "session_id": ""}',
+                '{"type": "DEAD_SESSION", "session_id": 7}'):
         assert _parse(bad) is None, bad
 
 
@@ -54,6 +57,24 @@ def test_send_start_packs_ids_into_messages(cfg: Config) -> None:
     assert sorted(cid for m in messages for cid in m) == ids
     assert stats.counter("hints_total", kind="sent") == 25
     assert stats.counter("hints_total", kind="received") == 25
+
+
+def test_dead_session_messages_reach_as_many_receivers_as_copies(cfg: Config) -> None:
+    async def main() -> tuple[list[tuple[tuple[str, ...], str]], Stats]:
+        stats = Stats()
+        async with clients(cfg) as c:
+            hints = _hints(c, cfg, stats)
+            await hints.send_dead_session("t/0/dead", copies=3)
+            got: list[tuple[tuple[str, ...], str]] = []
+            while batch := await hints.receive(1):
+                got += [(h.connection_ids, h.dead_session) for h in batch]
+                await hints.ack([h.receipt for h in batch])
+            return got, stats
+
+    got, stats = arun(main())
+    assert got == [((), "t/0/dead")] * 3
+    assert stats.counter("hints_total", kind="dead_session") == 3
+    assert stats.counter("hints_total", kind="received") == 0
 
 
 def test_malformed_message_is_counted_and_deleted(cfg: Config) -> None:

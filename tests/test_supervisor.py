@@ -284,6 +284,40 @@ def check_graceful_stop(cfg: Config, run: Run) -> float:
     return t0
 
 
+def test_a_shard_held_back_by_its_backoff_leaves_its_streams_to_a_peer_at_once(
+        cfg: Config, upstream: UpstreamProc, tmp_path: Path) -> None:
+    """Killed three times in a row, a shard's restart waits 2 s (crash-loop backoff): its supervisor
+    tells the peers, and one with a 30 s reconcile takes its streams within seconds, before it."""
+    start_connections(cfg, upstream, 40)
+    run = Run(cfg, tmp_path / "run.log", "--shards", "1", FLEETD_REBALANCE_S="0")
+    peer: fleet.FleetdProc | None = None
+    try:
+        wait_for("40 held by the task", lambda: all_held(run, 40), 30)
+        peer = fleet.start_shard(cfg, tmp_path, 0, task="peer", FLEETD_RECONCILE_S="30", FLEETD_REBALANCE_S="0")
+        wait_for("the peer's session", lambda: any(r.get("event") == "shard started" for r in peer.logs()), 20)
+        for kill in range(3):
+            pid = run.shard_pids()[0]
+            session = session_of_pid(cfg, pid)
+            os.kill(pid, signal.SIGKILL)
+            if kill < 2:  # restarted within a second, and claims its predecessor's streams back
+                wait_for("the restarted shard", lambda: pid not in run.shard_pids().values(), 10)  # noqa: B023
+                wait_for("40 held again", lambda: all_held(run, 40), 20)
+        killed_at = time.monotonic()
+        peers = wait_for("the peer to hold all 40", lambda: all(
+            it.get("lease_owner", {}).get("S", "").startswith("peer/") for it in items(cfg).values()), 10, 0.05)
+        took = time.monotonic() - killed_at
+        print(f"\npeer took the dead shard's 40 streams {took:.2f} s after the third kill")
+        assert peers
+        assert any(e.get("event") == "dead session announced to peers" and e.get("session_id") == session
+                   for e in run.events())
+        assert any(r.get("event") == "dead session announced" for r in peer.logs())
+        wait_for("every stream attached", lambda: all(s["attached"] == 1 for s in upstream.stats().values()), 20)
+    finally:
+        run.stop()
+        if peer is not None:
+            fleet.stop_all(peer)
+
+
 def test_second_sigint_kills_at_once(cfg: Config, tmp_path: Path) -> None:
     run = Run(cfg, tmp_path / "run.log", "--shards", "2")
     try:
