@@ -1,4 +1,5 @@
-"""AWS faults (issue #7): DynamoDB blackhole, throttling, ambiguous writes, SQS down.
+"""AWS faults (issue #7): DynamoDB blackhole, throttling, ambiguous writes, SQS down, and
+rebalancing hand-overs under lost answers and throttling.
 
 Every scenario runs randomized trials — a few in CI, ``LONG_TRIALS`` with ``pytest
 --long`` — against real ``fleetd shard`` processes.  Each shard talks to DynamoDB
@@ -45,7 +46,7 @@ from tests.fleet import FAST_TIMINGS, audit, owners, seed_items, start_shard
 
 MODES = ("session", "item")
 LONG_TRIALS = 20
-CI_TRIALS = {"dynamodb_blackhole": 2, "throttling": 2, "ambiguous_writes": 2, "sqs_down": 2}
+CI_TRIALS = {"dynamodb_blackhole": 2, "throttling": 2, "ambiguous_writes": 2, "sqs_down": 2, "rebalancing": 2}
 RATE = 4.0  # msg/s per stream
 GAP_MS = 600  # a stream silent this long (2.4 frame periods; bursts come closer) was not being streamed
 TTL_S = float(FAST_TIMINGS["FLEETD_LEASE_TTL_S"])
@@ -355,7 +356,7 @@ def no_more_checks(report: FaultReport, outcome: Outcome) -> list[str]:
 
 def run_trial(scenario: str, trial: int, cfg: Config, log_dir: Path, upstream: UpstreamProc,
               sqs: ProxyThread, fault: Scenario, env: dict[str, str] | None = None,
-              check_more: Check = no_more_checks) -> Outcome:
+              check_more: Check = no_more_checks, modes: tuple[str, ...] = MODES) -> Outcome:
     """Set up, inject ``fault``, check liveness, the invariants and ``check_more``; record the trial.
 
     The caller asserts ``not outcome.failures``; recording first lets a long run count every failure.
@@ -364,7 +365,7 @@ def run_trial(scenario: str, trial: int, cfg: Config, log_dir: Path, upstream: U
     print(f"{scenario} trial {trial}: seed {seed} (FLEETD_FAULTS_SEED={_BASE_SEED})")
     rng = random.Random(seed)
     ids = [f"{scenario[:4]}{trial:02d}-{i:03d}" for i in range(rng.randint(30, 50))]
-    mode = MODES[(trial + _MODE_OFFSET) % 2]  # consecutive trials alternate; a lone CI trial gets either
+    mode = modes[(trial + _MODE_OFFSET) % len(modes)]  # consecutive trials alternate; a lone CI trial gets either
     env = {"FLEETD_MAX_CONNECTIONS_PER_SHARD": "100", **(env or {})}  # claim steps of 20: shards share the load
     fleet = Fleet(cfg, log_dir, upstream, ids, mode, rng, sqs, env)
     try:
@@ -568,4 +569,63 @@ def test_sqs_down(trial: int, cfg: Config, tmp_path: Path, upstream: UpstreamPro
     outcome = run_trial("sqs_down", trial, cfg, tmp_path, upstream, sqs_proxy, lambda f: sqs_down(f, action),
                         env=env, check_more=by_reconcile)
     print(f"  SQS {action}: {dict(sqs_proxy.calls)}")
+    assert not outcome.failures, "\n".join(outcome.failures)
+
+
+REBALANCE_S = 1.0  # every shard looks every second: hand-overs happen within the trial
+# A look leaves out peers younger than 2 × heartbeat + 2 s (fleetd.shard: their `held` lags their claims).
+SETTLE_S = 2 * float(FAST_TIMINGS["FLEETD_HEARTBEAT_S"]) + 2.0
+
+
+def rebalancing(fleet: Fleet) -> FaultReport:
+    """Empty shards join while UpdateItem answers get lost and calls are throttled: the others hand
+    them streams (one conditional write each, whose outcome may be unknown), and the first newcomer
+    may be killed or stopped just after it was handed its first streams, mid-adoption."""
+    rng = fleet.rng
+    lost, throttled = rng.uniform(0.1, 0.3), rng.uniform(0.05, 0.15)
+    start = time.time()
+    fleet.fault("UpdateItem", "drop_response", lost / 2, mode="500")
+    fleet.fault("UpdateItem", "drop_response", (lost / 2) / (1 - lost / 2), mode="reset")
+    fleet.fault(None, "throttle", throttled, code=rng.choice(THROTTLE_CODES))
+    joined = [fleet.start() for _ in range(rng.randint(1, 2))]
+    victim = joined[0]
+    wait_for(lambda: fleet.owned_by().get(victim.task), SETTLE_S + 15, 0.05, "a hand-over to a newcomer")
+    action = rng.choice(["none", "SIGKILL", "SIGTERM"])
+    stopped_at: float | None = None
+    moved: list[str] = []
+    if action != "none":
+        time.sleep(rng.uniform(0.0, 1.0))
+        moved = fleet.owned_by().get(victim.task, [])
+        stopped_at = time.time()
+        if action == "SIGKILL":
+            fleet.kill(victim)
+        else:
+            fleet.terminate(victim)
+    time.sleep(rng.uniform(3.0, 5.0))
+    fired = fleet.fired()
+    end = fleet.heal()
+    return FaultReport(start, end, {"lost_p": round(lost, 2), "throttled_p": round(throttled, 2),
+                                    "joined": len(joined), "newcomer": action, "moved": len(moved),
+                                    "faults_fired": fired}, stopped_at, moved)
+
+
+def handed_over(fleet: Fleet) -> int:
+    """Streams the trial's shards handed to a peer (their "streams handed to a peer" log lines)."""
+    return sum(int(r.get("moved", 0)) for s in fleet.shards for r in s.proc.logs()
+               if r.get("event") == "streams handed to a peer")
+
+
+def test_rebalancing(trial: int, cfg: Config, tmp_path: Path, upstream: UpstreamProc, sqs_proxy: ProxyThread) -> None:
+    fleets: list[Fleet] = []
+
+    def keep(fleet: Fleet) -> FaultReport:
+        fleets.append(fleet)
+        return rebalancing(fleet)
+
+    def some_handed(report: FaultReport, outcome: Outcome) -> list[str]:
+        report.extra["handed"] = n = handed_over(fleets[0])
+        return [] if n > 0 else ["no stream was handed over: the trial exercised nothing"]
+
+    outcome = run_trial("rebalancing", trial, cfg, tmp_path, upstream, sqs_proxy, keep,
+                        env={"FLEETD_REBALANCE_S": str(REBALANCE_S)}, check_more=some_handed, modes=("session",))
     assert not outcome.failures, "\n".join(outcome.failures)
