@@ -382,11 +382,12 @@ class LeaseStore:
         return outcome
 
     async def renew_session(self, session_id: str, held: int,
-                            draining: bool = False) -> tuple[Outcome, int, bool]:
+                            draining: bool = False) -> tuple[Outcome, int, int]:
         """Extend a live session; an expired one can never come back (condition on now).
 
-        Also takes the session's ``handed_at_ms`` mark (see ``notify_handed``): the third value
-        says whether a peer handed us streams since the last renewal.
+        The third value is the session's ``handed_count`` (see ``notify_handed``): a peer handed
+        us streams since the last renewal if it grew.  A count the renewal only reads survives
+        a lost answer (the retry reads it again); a mark the renewal removed did not.
         """
         now = self.clock.now_ms()
         expires = now + self.ttl_ms
@@ -394,28 +395,28 @@ class LeaseStore:
             "UpdateItem",
             TableName=self.sessions,
             Key={"session_id": _s(session_id)},
-            UpdateExpression="SET expires_at_ms = :exp, held = :held, draining = :dr, #ttl = :ttl "
-                             "REMOVE handed_at_ms",
+            UpdateExpression="SET expires_at_ms = :exp, held = :held, draining = :dr, #ttl = :ttl",
             ConditionExpression="expires_at_ms >= :now",
             ExpressionAttributeNames={"#ttl": "ttl"},
             ExpressionAttributeValues={":exp": _n(expires), ":now": _n(now), ":held": _n(held),
                                        ":dr": {"BOOL": draining},
                                        ":ttl": _n(expires // 1000 + SESSION_TTL_BACKSTOP_S)},
-            ReturnValues="UPDATED_OLD",
+            ReturnValues="ALL_NEW",
         )
-        handed = outcome is Outcome.WON and "handed_at_ms" in resp.get("Attributes", {})
+        handed = _num(resp.get("Attributes", {}), "handed_count") if outcome is Outcome.WON else 0
         return outcome, expires, handed
 
     async def notify_handed(self, session_id: str) -> Outcome:
-        """Mark a live session as handed streams: its next renewal sees it even if its own view of
-        the fleet's load says it is not below its share, so it is not watching for them."""
+        """Tell a live session it was handed streams (its ``handed_count`` grows): its next renewal
+        sees it even if its own view of the fleet's load says it is not below its share, so it
+        is not watching for them."""
         outcome, _ = await self._write(
             "UpdateItem",
             TableName=self.sessions,
             Key={"session_id": _s(session_id)},
-            UpdateExpression="SET handed_at_ms = :now",
+            UpdateExpression="ADD handed_count :one",
             ConditionExpression="expires_at_ms >= :now",
-            ExpressionAttributeValues={":now": _n(self.clock.now_ms())},
+            ExpressionAttributeValues={":now": _n(self.clock.now_ms()), ":one": _n(1)},
         )
         return outcome
 

@@ -82,6 +82,7 @@ class SessionState:
     deadline: float = 0.0  # monotonic fence deadline of the whole session
     generation: int = 0
     previous: list[str] = field(default_factory=list)  # our own abandoned sessions, to adopt from
+    handed_seen: int = 0  # the session's handed_count when we last looked for streams handed to us
 
 
 async def _wait(event: asyncio.Event, timeout_s: float) -> bool:
@@ -265,6 +266,7 @@ class Shard:
             self.session.previous.append(self.session.session_id)
         self.session.session_id = sid
         self.session.generation += 1
+        self.session.handed_seen = 0  # a new session item counts from zero
         self.session.deadline = started + self.cfg.lease.lease_ttl_s - self.cfg.lease.safety_margin_s
         self.sink.set_session(sid)
         logs.set_context(session=sid)
@@ -337,8 +339,9 @@ class Shard:
         sid = self.session.session_id
         outcome, _, handed = await self.leases.renew_session(sid, held=len(self.held), draining=self._is_stopping())
         self.stats.inc("lease_renewals_total", result=outcome.value)
-        if handed and sid == self.session.session_id:
+        if handed > self.session.handed_seen and sid == self.session.session_id:
             # A peer handed us streams while our own view of the fleet did not have us watching.
+            self.session.handed_seen = handed
             self.receiving_until = max(self.receiving_until, self.clock.monotonic() + 2 * RECEIVE_POLL_S)
         if outcome is Outcome.WON and sid == self.session.session_id:
             self.session.deadline = started + self.cfg.lease.lease_ttl_s - self.cfg.lease.safety_margin_s

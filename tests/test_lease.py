@@ -335,15 +335,18 @@ def test_push_hands_an_item_to_another_session_in_one_write(cfg: Config) -> None
     arun(main())
 
 
-def test_a_handed_mark_is_taken_by_the_next_renewal(cfg: Config) -> None:
+def test_renewals_read_how_often_the_session_was_handed_streams(cfg: Config) -> None:
     async def main() -> None:
         async with clients(cfg) as c:
             leases = store(c.dynamodb, cfg)
             assert await leases.create_session(SessionInfo("t/0/h", "t", 0, 100)) is Outcome.WON
-            assert (await leases.renew_session("t/0/h", held=0))[2] is False
+            assert (await leases.renew_session("t/0/h", held=0))[2] == 0
             assert await leases.notify_handed("t/0/h") is Outcome.WON
-            assert (await leases.renew_session("t/0/h", held=0))[2] is True
-            assert (await leases.renew_session("t/0/h", held=0))[2] is False  # taken once
+            assert (await leases.renew_session("t/0/h", held=0))[2] == 1
+            # Read, not taken: a renewal whose answer was lost, retried, still sees it.
+            assert (await leases.renew_session("t/0/h", held=0))[2] == 1
+            assert await leases.notify_handed("t/0/h") is Outcome.WON
+            assert (await leases.renew_session("t/0/h", held=0))[2] == 2
             assert await leases.expire_session("t/0/h") is Outcome.WON
             assert await leases.notify_handed("t/0/h") is Outcome.LOST  # nobody left to tell
             assert await leases.notify_handed("t/0/nobody") is Outcome.LOST
