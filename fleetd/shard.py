@@ -563,8 +563,13 @@ class Shard:
         random.shuffle(ids)
         ids = ids[: max(0, self.free_capacity())]
         outcomes = await _bounded(ids, self.cfg.lease.claim_concurrency, lambda cid: self.claim(cid, dead_owner=dead))
-        # A claim loses on a STOPPED item (or one a peer took first): free those still the dead's.
+        # A claim loses on a STOPPED item, or one a peer took first: free those still the dead's.
+        # Ask the index which those are: the successor and the woken peers race for a dead shard's
+        # streams, and a free_stopped write for each of the many lost races loads the table for all.
         lost = [cid for cid, o in zip(ids, outcomes, strict=True) if o is Outcome.LOST]
+        if lost:
+            still = set(await self.leases.items_of(dead))
+            lost = [cid for cid in lost if cid in still]
         freed = await _bounded(lost, self.cfg.lease.claim_concurrency,
                                lambda cid: self.leases.free_stopped(cid, dead))
         self.stats.inc("dead_session_stopped_freed_total", float(sum(o is Outcome.WON for o in freed)))
