@@ -59,6 +59,7 @@ HEALTHY_UPTIME_S = 60.0  # a shard that ran this long before dying restarts at t
 # A successor booting later than this leaves the crashed shard's streams to peers, told at once.
 RESTART_SOON_S = 1.0
 DEAD_SESSION_COPIES = 3  # each wakes one peer; one may be too full to take them all
+DEAD_SESSION_WAVE_GAP_S = 0.3
 EXPIRE_WAIT_S = 3.0  # a restart waits at most this long for its predecessor's session to be expired
 KILL_GRACE_S = 2.0  # added to shutdown_budget_s before stragglers are SIGKILLed
 TICK_S = 1.0  # upper bound of one wait: restarts and deadlines are checked at least this often
@@ -198,19 +199,18 @@ def shard_entry(cfg: Config, index: int, predecessor: str | None, reports: Conne
 # ----- AWS helper (worker thread) ---------------------------------------------------------------------
 
 
-def expire_session(cfg: Config, session_id: str, wake_peers: bool = False) -> str:
+def expire_session(cfg: Config, session_id: str) -> str:
     """End a dead shard's session now, so its successor may claim its items; returns the outcome.
-    With ``wake_peers``, also send DEAD_SESSION hints so that peers take them over at once.
 
     Runs in a worker thread with a short-lived event loop: the supervisor's own
     loop never hosts AWS code.  Failures are logged; the session then expires on
-    its own after the TTL, and peers find it at their reconcile.
+    its own after the TTL.
     """
     import asyncio
 
     started = time.monotonic()
     try:
-        outcome = asyncio.run(_expire(cfg, session_id, wake_peers))
+        outcome = asyncio.run(_expire(cfg, session_id))
     except Exception as e:
         log.warning("could not expire dead session", extra={"session_id": session_id,
                                                            "error": f"{type(e).__name__}: {e}"})
@@ -220,37 +220,53 @@ def expire_session(cfg: Config, session_id: str, wake_peers: bool = False) -> st
     return outcome
 
 
-async def _expire(cfg: Config, session_id: str, wake_peers: bool) -> str:
+async def _expire(cfg: Config, session_id: str) -> str:
     from aiobotocore.session import get_session
 
     from fleetd.aws import client_config, region_of
     from fleetd.clock import SystemClock
     from fleetd.lease import LeaseStore
 
-    session = get_session()
-    async with session.create_client("dynamodb", region_name=region_of(cfg.aws),
-                                      config=client_config(cfg.aws)) as ddb:
+    async with get_session().create_client("dynamodb", region_name=region_of(cfg.aws),
+                                           config=client_config(cfg.aws)) as ddb:
         store = LeaseStore(ddb, cfg.aws, cfg.lease, SystemClock(cfg.lease.clock_offset_ms))
-        outcome = (await store.expire_session(session_id)).value
-    if wake_peers and outcome == "won":
-        await _announce_dead(session, cfg, session_id)
-    return outcome
+        return (await store.expire_session(session_id)).value
 
 
-async def _announce_dead(session: Any, cfg: Config, session_id: str) -> None:
-    """DEAD_SESSION hints, best effort: without them peers still find the session at their reconcile."""
+def announce_dead(cfg: Config, session_id: str) -> None:
+    """DEAD_SESSION hints (worker thread), so that peers take the dead shard's streams over now.
+    Best effort: without them, peers find the expired session at their next reconcile."""
+    import asyncio
+
+    started = time.monotonic()
+    try:
+        asyncio.run(_announce_dead(cfg, session_id))
+    except Exception as e:
+        log.warning("could not announce the dead session", extra={"session_id": session_id,
+                                                                   "error": f"{type(e).__name__}: {e}"})
+        return
+    log.info("dead session announced to peers", extra={"session_id": session_id,
+                                                       "seconds": round(time.monotonic() - started, 3)})
+
+
+async def _announce_dead(cfg: Config, session_id: str) -> None:
+    import asyncio
+
+    from aiobotocore.session import get_session
+
     from fleetd.aws import client_config, region_of
     from fleetd.hints import Hints
     from fleetd.stats import Stats
 
-    try:
-        async with session.create_client("sqs", region_name=region_of(cfg.aws),
-                                         config=client_config(cfg.aws)) as sqs:
-            await Hints(sqs, cfg.aws.hints_queue, 0, Stats()).send_dead_session(session_id, DEAD_SESSION_COPIES)
-        log.info("dead session announced to peers", extra={"session_id": session_id})
-    except Exception as e:
-        log.warning("could not announce the dead session", extra={"session_id": session_id,
-                                                                   "error": f"{type(e).__name__}: {e}"})
+    async with get_session().create_client("sqs", region_name=region_of(cfg.aws),
+                                           config=client_config(cfg.aws)) as sqs:
+        hints = Hints(sqs, cfg.aws.hints_queue, 0, Stats())
+        await hints.send_dead_session(session_id, DEAD_SESSION_COPIES)
+        # The dead shard's own long poll may still be open: SQS answers it with the first wave,
+        # hidden then for the poll's visibility timeout (3 s; seen in the bench).  The second
+        # wave finds that poll answered, and reaches the live peers.
+        await asyncio.sleep(DEAD_SESSION_WAVE_GAP_S)
+        await hints.send_dead_session(session_id, DEAD_SESSION_COPIES)
 
 
 def _warm_up() -> None:
@@ -304,6 +320,7 @@ class ShardSlot:
     backoff_s: float = BACKOFF_MIN_S
     predecessor: str | None = None  # the dead incarnation's session, handed to the next one
     expiring: Future[str] | None = None
+    announcing: Future[None] | None = None
     boot_error: str = ""
     incarnations: int = 0
 
@@ -394,7 +411,8 @@ class Supervisor:
         self.publisher.stop()
         self.server.stop()
         if self._helper is not None:
-            pending = [s.expiring for s in self.slots if s.expiring is not None and not s.expiring.done()]
+            pending: list[Future[Any]] = [f for s in self.slots for f in (s.expiring, s.announcing)
+                                          if f is not None and not f.done()]
             deadline = time.monotonic() + EXPIRE_WAIT_S
             for fut in pending:  # peers take over faster when dead sessions are expired before we go
                 with contextlib.suppress(Exception):
@@ -543,7 +561,9 @@ class Supervisor:
             slot.predecessor = sid
             # A successor held back by the crash-loop backoff (or never coming) would leave the
             # streams waiting for it, or for the peers' next reconcile: tell the peers instead.
-            slot.expiring = self._expire(sid, wake_peers=not restarting or slot.backoff_s > RESTART_SOON_S)
+            slot.expiring = self._expire(sid)
+            if not restarting or slot.backoff_s > RESTART_SOON_S:
+                slot.announcing = self._announce(slot.expiring, sid)
         if self.stopping:
             return
         if code in HALTING_EXITS:
@@ -551,12 +571,32 @@ class Supervisor:
             return
         self._schedule_restart(slot, now)
 
-    def _expire(self, session_id: str, wake_peers: bool) -> Future[str] | None:
+    def _expire(self, session_id: str) -> Future[str] | None:
         if self._helper is None:
             return None
-        fut = self._helper.submit(expire_session, self.cfg, session_id, wake_peers)
+        fut = self._helper.submit(expire_session, self.cfg, session_id)
         fut.add_done_callback(lambda _: self._wake())
         return fut
+
+    def _announce(self, expiring: Future[str] | None, session_id: str) -> Future[None] | None:
+        """DEAD_SESSION hints once ``expiring`` is done (a peer woken before the expiry landed would
+        find the session alive and wait for its next reconcile).  The successor's boot does not wait
+        for them: it waits only for the expiry."""
+        if self._helper is None or expiring is None:
+            return None
+        announcing: Future[None] = Future()
+
+        def start(_: Future[str]) -> None:
+            try:
+                assert self._helper is not None
+                inner = self._helper.submit(announce_dead, self.cfg, session_id)
+            except RuntimeError:  # shut down meanwhile
+                announcing.cancel()
+                return
+            inner.add_done_callback(lambda f: announcing.set_result(None))
+
+        expiring.add_done_callback(start)
+        return announcing
 
     def _schedule_restart(self, slot: ShardSlot, now: float) -> None:
         slot.restart_at = now + slot.backoff_s
