@@ -31,7 +31,7 @@ from fleetd import config, exits
 from fleetd.config import Config
 from fleetd.devstack import DevStack, spawn, terminate
 from fleetd.metrics import scrape
-from fleetd.supervisor import reap_orphans, usable_cpus
+from fleetd.supervisor import announce_dead, reap_orphans, usable_cpus
 from tests import fleet
 from tests.fleet import UpstreamProc, scan_all, seed_items
 
@@ -316,6 +316,39 @@ def test_a_shard_held_back_by_its_backoff_leaves_its_streams_to_a_peer_at_once(
         run.stop()
         if peer is not None:
             fleet.stop_all(peer)
+
+
+_DANGLING_POLL = """
+import sys, boto3
+sqs = boto3.client("sqs")
+url = sqs.get_queue_url(QueueName=sys.argv[1])["QueueUrl"]
+print("polling", flush=True)
+sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=10, WaitTimeSeconds=20, VisibilityTimeout=3)
+"""
+
+
+def test_dead_session_hints_reach_peers_past_the_dead_shards_open_poll(cfg: Config, tmp_path: Path) -> None:
+    """A SIGKILLed shard leaves its SQS long poll open; SQS answers it with the first messages, which
+    then stay hidden for its 3 s visibility timeout.  The announcement's second wave gets through."""
+    log_path = tmp_path / "poll.log"
+    poller = spawn([sys.executable, "-c", _DANGLING_POLL, cfg.aws.hints_queue], log_path, env=dict(os.environ))
+    try:
+        wait_for("the poll to be open", lambda: "polling" in log_path.read_text(), 20)
+        time.sleep(1.0)  # the request is on the wire, waiting
+        poller.kill()  # as SIGKILL leaves it: the server still holds the request
+        poller.wait(5)
+        sent_at = time.monotonic()
+        announce_dead(cfg, "t/0/dead")
+        sqs = boto3.client("sqs")
+        url = sqs.get_queue_url(QueueName=cfg.aws.hints_queue)["QueueUrl"]
+        got = wait_for("a DEAD_SESSION message", lambda: sqs.receive_message(
+            QueueUrl=url, MaxNumberOfMessages=10, WaitTimeSeconds=1).get("Messages"), 10, 0.0)
+        took = time.monotonic() - sent_at
+        print(f"\na peer received the announcement {took:.2f} s after it was sent")
+        assert json.loads(got[0]["Body"]) == {"type": "DEAD_SESSION", "session_id": "t/0/dead"}
+        assert took < 2.5, "only the messages hidden by the dead poll arrived (after its visibility timeout)"
+    finally:
+        terminate(poller, timeout_s=5)
 
 
 def test_second_sigint_kills_at_once(cfg: Config, tmp_path: Path) -> None:
