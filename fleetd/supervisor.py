@@ -59,6 +59,10 @@ HEALTHY_UPTIME_S = 60.0  # a shard that ran this long before dying restarts at t
 # A successor booting later than this leaves the crashed shard's streams to peers, told at once.
 RESTART_SOON_S = 1.0
 DEAD_SESSION_COPIES = 3  # each wakes one peer; one may be too full to take them all
+# Every shard that died in the last `hint_wait_s` may still have a long poll open at SQS, and each
+# such poll takes one wave and hides it for 3 s: a crash loop leaves several (bench: three kills
+# in 12 s hid two waves for 6 s).  Waves after the first go out DEAD_SESSION_WAVE_GAP_S apart.
+DEAD_SESSION_WAVES = 4
 DEAD_SESSION_WAVE_GAP_S = 0.3
 EXPIRE_WAIT_S = 3.0  # a restart waits at most this long for its predecessor's session to be expired
 KILL_GRACE_S = 2.0  # added to shutdown_budget_s before stragglers are SIGKILLed
@@ -261,12 +265,10 @@ async def _announce_dead(cfg: Config, session_id: str) -> None:
     async with get_session().create_client("sqs", region_name=region_of(cfg.aws),
                                            config=client_config(cfg.aws)) as sqs:
         hints = Hints(sqs, cfg.aws.hints_queue, 0, Stats())
-        await hints.send_dead_session(session_id, DEAD_SESSION_COPIES)
-        # The dead shard's own long poll may still be open: SQS answers it with the first wave,
-        # hidden then for the poll's visibility timeout (3 s; seen in the bench).  The second
-        # wave finds that poll answered, and reaches the live peers.
-        await asyncio.sleep(DEAD_SESSION_WAVE_GAP_S)
-        await hints.send_dead_session(session_id, DEAD_SESSION_COPIES)
+        for wave in range(DEAD_SESSION_WAVES):
+            if wave:
+                await asyncio.sleep(DEAD_SESSION_WAVE_GAP_S)
+            await hints.send_dead_session(session_id, DEAD_SESSION_COPIES)
 
 
 def _warm_up() -> None:

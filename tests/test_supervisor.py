@@ -329,16 +329,20 @@ sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=10, WaitTimeSeconds=20, Vi
 """
 
 
-def test_dead_session_hints_reach_peers_past_the_dead_shards_open_poll(cfg: Config, tmp_path: Path) -> None:
+def test_dead_session_hints_reach_peers_past_dead_shards_open_polls(cfg: Config, tmp_path: Path) -> None:
     """A SIGKILLed shard leaves its SQS long poll open; SQS answers it with the first messages, which
-    then stay hidden for its 3 s visibility timeout.  The announcement's second wave gets through."""
-    log_path = tmp_path / "poll.log"
-    poller = spawn([sys.executable, "-c", _DANGLING_POLL, cfg.aws.hints_queue], log_path, env=dict(os.environ))
+    then stay hidden for its 3 s visibility timeout.  A crash loop leaves several such polls (here
+    two): the announcement's later waves get through."""
+    pollers = [spawn([sys.executable, "-c", _DANGLING_POLL, cfg.aws.hints_queue], tmp_path / f"poll{i}.log",
+                     env=dict(os.environ)) for i in range(2)]
     try:
-        wait_for("the poll to be open", lambda: "polling" in log_path.read_text(), 20)
-        time.sleep(1.0)  # the request is on the wire, waiting
-        poller.kill()  # as SIGKILL leaves it: the server still holds the request
-        poller.wait(5)
+        for i in range(2):
+            wait_for("the poll to be open", lambda: "polling" in (tmp_path / f"poll{i}.log").read_text(),  # noqa: B023
+                     20)
+        time.sleep(1.0)  # the requests are on the wire, waiting
+        for poller in pollers:
+            poller.kill()  # as SIGKILL leaves it: the server still holds the request
+            poller.wait(5)
         sent_at = time.monotonic()
         announce_dead(cfg, "t/0/dead")
         sqs = boto3.client("sqs")
@@ -348,9 +352,10 @@ def test_dead_session_hints_reach_peers_past_the_dead_shards_open_poll(cfg: Conf
         took = time.monotonic() - sent_at
         print(f"\na peer received the announcement {took:.2f} s after it was sent")
         assert json.loads(got[0]["Body"]) == {"type": "DEAD_SESSION", "session_id": "t/0/dead"}
-        assert took < 2.5, "only the messages hidden by the dead poll arrived (after its visibility timeout)"
+        assert took < 2.5, "only the messages hidden by the dead polls arrived (after their visibility timeout)"
     finally:
-        terminate(poller, timeout_s=5)
+        for poller in pollers:
+            terminate(poller, timeout_s=5)
 
 
 def test_second_sigint_kills_at_once(cfg: Config, tmp_path: Path) -> None:
