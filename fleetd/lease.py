@@ -434,10 +434,26 @@ class LeaseStore:
 
     async def expired_sessions(self, limit: int = 1000) -> list[str]:
         """Candidate dead sessions from ``by_expiry`` (eventually consistent: confirm before use)."""
-        values = {":k": _s(SESSION_KIND), ":t": _n(self.clock.now_ms() - self.skew_ms)}
-        return [k["session_id"]["S"] async for k in self._query(
-            limit, TableName=self.sessions, IndexName=EXPIRY_INDEX,
-            KeyConditionExpression="kind = :k AND expires_at_ms < :t", ExpressionAttributeValues=values)]
+        dead, _ = await self.dead_and_dying(0, limit)
+        return dead
+
+    async def dead_and_dying(self, horizon_ms: int, limit: int = 1000) -> tuple[list[str], int | None]:
+        """Candidate dead sessions, and when the first session that stops renewing within
+        ``horizon_ms`` will be dead for everyone (None: none does).  One query of ``by_expiry``
+        either way: a live session renews every heartbeat, so it never shows in the horizon."""
+        now = self.clock.now_ms()
+        values = {":k": _s(SESSION_KIND), ":t": _n(now + horizon_ms)}
+        dead: list[str] = []
+        dying: list[int] = []
+        async for k in self._query(limit, TableName=self.sessions, IndexName=EXPIRY_INDEX,
+                                   KeyConditionExpression="kind = :k AND expires_at_ms < :t",
+                                   ExpressionAttributeValues=values):
+            expires = _num(k, "expires_at_ms")
+            if self.expired(expires):
+                dead.append(k["session_id"]["S"])
+            else:
+                dying.append(expires + self.skew_ms + 50)  # just past `expired`, on our clock
+        return dead, min(dying, default=None)
 
     async def live_loads(self, sample: int) -> list[SessionLoad]:
         """The load of up to ``sample`` live sessions, picked at random from ``by_expiry`` (eventually

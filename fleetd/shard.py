@@ -138,6 +138,7 @@ class Shard:
         self.replacing = asyncio.Lock()
         self.adopting = asyncio.Lock()  # see _adopt_own_strays
         self.wake_reconcile: asyncio.Event | None = None
+        self.expiry_wake: asyncio.TimerHandle | None = None  # when the next dying session is dead
         self.hints_done: asyncio.Event | None = None
         self.leases: LeaseStore
         self.sink: Sink
@@ -545,12 +546,36 @@ class Shard:
         if load > 0 and await _wait(self.stopping, load * min(1.0, self.cfg.lease.reconcile_s / 5)):
             return False
         if self.cfg.lease.lease_mode == "session":
-            for dead in await self.leases.expired_sessions():
-                if dead != self.session.session_id and self.free_capacity() > 0:
-                    await self._take_over(dead)
+            await self._take_over_dead()
         if rounds % _SELF_ADOPT_EVERY == _SELF_ADOPT_EVERY - 1:
             await self._adopt_own_strays()
         return await self._claim_free()
+
+    async def _take_over_dead(self) -> None:
+        """Take over the dead sessions, and look again the moment the next dying one is dead for
+        everyone.  A session that stopped renewing expires up to ``lease_ttl_s`` after it died;
+        found only at the next reconcile, its streams also waited up to ``reconcile_s`` × 1.2
+        more (bench task kill: p99 27.4 s, against 27)."""
+        horizon_ms = int(self.cfg.lease.reconcile_s * (1 + self.cfg.lease.reconcile_jitter) * 1000)
+        dead, dying_at_ms = await self.leases.dead_and_dying(horizon_ms)
+        for sid in dead:
+            if sid != self.session.session_id and self.free_capacity() > 0:
+                await self._take_over(sid)
+        if dying_at_ms is not None:
+            self._wake_reconcile_at(dying_at_ms)
+
+    def _wake_reconcile_at(self, at_ms: int) -> None:
+        """One timer: the earliest wanted wins (a later one is re-armed by the round it wakes)."""
+        assert self.loop is not None
+        delay_s = max(0.0, (at_ms - self.clock.now_ms()) / 1000)
+        when = self.loop.time() + delay_s
+        pending = self.expiry_wake
+        if pending is not None and not pending.cancelled() and self.loop.time() < pending.when() <= when:
+            return
+        if pending is not None:
+            pending.cancel()
+        wake = self.wake_reconcile
+        self.expiry_wake = self.loop.call_at(when, lambda: wake.set() if wake is not None else None)
 
     async def _take_over(self, dead: str) -> bool:
         """Claim a confirmed-dead session's items; forget it once it owns nothing.  True when done."""

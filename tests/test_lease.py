@@ -95,6 +95,31 @@ def test_expired_item_lease_is_claimable_only_after_ttl_and_skew(cfg: Config) ->
     arun(main())
 
 
+def test_a_session_that_stopped_renewing_is_announced_before_it_is_dead(cfg: Config) -> None:
+    """``dead_and_dying``: one query lists the dead sessions, and says when the first one that
+    stops renewing within the horizon will be dead for everyone (a live one never shows)."""
+    clock = ManualClock(now_ms=SystemClock().now_ms())
+    ttl_s, horizon_ms = cfg.lease.lease_ttl_s, 6_000
+
+    async def main() -> None:
+        async with clients(cfg) as c:
+            leases = store(c.dynamodb, cfg, clock)
+            for sid in ("t/0/live", "t/0/dying"):
+                assert await leases.create_session(SessionInfo(sid, "t", 0, 700)) is Outcome.WON
+            expires_ms = clock.now_ms() + int(ttl_s * 1000)
+            assert await leases.dead_and_dying(horizon_ms) == ([], None)
+            clock.advance(ttl_s - 3)  # "dying" stopped renewing: it expires in 3 s
+            assert (await leases.renew_session("t/0/live", held=0))[0] is Outcome.WON
+            dead, dying_at = await leases.dead_and_dying(horizon_ms)
+            assert dead == []
+            assert dying_at == expires_ms + leases.skew_ms + 50  # just past what `expired` calls dead
+            clock.advance(3 + cfg.lease.safety_margin_s + 0.1)
+            assert (await leases.renew_session("t/0/live", held=0))[0] is Outcome.WON
+            assert await leases.dead_and_dying(horizon_ms) == (["t/0/dying"], None)
+
+    arun(main())
+
+
 def test_sessions_cannot_come_back_and_dead_items_move(cfg: Config) -> None:
     clock = ManualClock(now_ms=SystemClock().now_ms())
 

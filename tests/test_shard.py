@@ -349,6 +349,31 @@ def test_dead_session_is_emptied_then_forgotten_after_its_grace(cfg: Config, ups
         t.stop()
 
 
+def test_a_dying_session_is_taken_over_as_it_dies_not_at_the_next_reconcile(
+        cfg: Config, upstream: UpstreamProc) -> None:
+    """A session that stopped renewing (its task was killed) expires in 4 s; the shard reconciles
+    only every 30 s, yet takes its stream over just after the expiry (+ the skew allowance)."""
+    cfg = fast(cfg, reconcile_s=30.0)
+    dying, table = "gone/0/z", cfg.aws.connections_table
+    ddb().put_item(TableName=table, Item={
+        "connection_id": {"S": "orphan"}, "desired_state": {"S": "STARTED"}, "ws_url": {"S": upstream.url("orphan")},
+        "lease_owner": {"S": dying}, "lease_expires_at_ms": {"N": str(HELD_BY_SESSION)},
+        "lease_epoch": {"N": "1"}, "last_seq": {"N": "0"}})
+    ddb().put_item(TableName=cfg.aws.sessions_table, Item={
+        "session_id": {"S": dying}, "kind": {"S": SESSION_KIND},
+        "expires_at_ms": {"N": str(int(time.time() * 1000) + 4_000)}})
+    started = time.monotonic()
+    t = ShardThread(cfg)
+    try:
+        wait_for(lambda: owners(cfg).get("orphan", dying) != dying, 15, 0.1, "the orphan taken over")
+        took = time.monotonic() - started
+        print(f"\ntaken over {took:.1f} s after boot (the session expired at 4 s)")
+        assert took >= 4.0, "taken over before its session expired"
+        wait_for(lambda: upstream.stats().get("orphan", {}).get("attached") == 1, 10, 0.1, "streaming")
+    finally:
+        t.stop()
+
+
 def test_a_new_shard_gets_its_share_without_loss_or_overlap(
         cfg: Config, upstream: UpstreamProc, tmp_path: Path) -> None:
     """60 streams on shard a; shard b starts; a hands b half of them, one write each, b adopts them."""
