@@ -353,7 +353,7 @@ def test_a_dying_session_is_taken_over_as_it_dies_not_at_the_next_reconcile(
         cfg: Config, upstream: UpstreamProc) -> None:
     """A session that stopped renewing (its task was killed) expires in 4 s; the shard reconciles
     only every 30 s, yet takes its stream over just after the expiry (+ the skew allowance)."""
-    cfg = fast(cfg, reconcile_s=30.0)
+    cfg = config.replace(fast(cfg), reconcile_s=30.0)
     dying, table = "gone/0/z", cfg.aws.connections_table
     ddb().put_item(TableName=table, Item={
         "connection_id": {"S": "orphan"}, "desired_state": {"S": "STARTED"}, "ws_url": {"S": upstream.url("orphan")},
