@@ -61,7 +61,7 @@ RESTART_SOON_S = 1.0
 DEAD_SESSION_COPIES = 3  # each wakes one peer; one may be too full to take them all
 # Every shard that died in the last `hint_wait_s` may still have a long poll open at SQS, and each
 # such poll takes one wave and hides it for 3 s: a crash loop leaves several (bench: three kills
-# in 12 s hid two waves for 6 s).  Waves after the first go out DEAD_SESSION_WAVE_GAP_S apart.
+# in 8 s hid two waves for 6 s).  Waves after the first go out DEAD_SESSION_WAVE_GAP_S apart.
 DEAD_SESSION_WAVES = 4
 DEAD_SESSION_WAVE_GAP_S = 0.3
 EXPIRE_WAIT_S = 3.0  # a restart waits at most this long for its predecessor's session to be expired
