@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import uvloop
+from picows import ws_connect
 
 from fleetd import exits, logs
-from fleetd.aws import error_code, open_clients
+from fleetd.aws import Clients, error_code, open_clients
 from fleetd.clock import Clock, SystemClock
 from fleetd.config import Config
 from fleetd.ctl import validate_url
@@ -42,7 +43,7 @@ from fleetd.hints import Hints, HintStream
 from fleetd.lease import STOPPED, ClaimResult, ConnItem, LeaseStore, Outcome, SessionInfo, classify
 from fleetd.sink import Cursor, Sink
 from fleetd.stats import Stats
-from fleetd.upstream import Connection
+from fleetd.upstream import Connection, Connector
 
 log = logging.getLogger("fleetd.shard")
 Reporter = Callable[[dict[str, Any]], None]
@@ -57,6 +58,21 @@ _UNCLAIMABLE_RETRY_S = 300.0
 REBALANCE_SAMPLE = 10
 RECEIVE_POLL_S = 1.0  # a shard below its share looks this often for streams handed to it
 POLL_GRACE_S = 1.0  # a hint poll still open when the shard has stopped may answer this long
+
+
+@dataclass(frozen=True, slots=True)
+class Environment:
+    """What a shard takes from its process: AWS clients, sockets, signals, randomness.
+
+    The defaults are the real ones; the deterministic simulation (``bench/sim``) passes
+    simulated AWS clients, simulated upstream sockets and seeded ids, so it runs this
+    module's code unchanged.
+    """
+
+    open_clients: Callable[[AsyncExitStack, Any], Awaitable[Clients]] = open_clients
+    connect: Connector = ws_connect
+    signals: bool = True  # install SIGTERM/SIGINT handlers (only on the main thread)
+    nonce: Callable[[], str] = field(default=lambda: uuid.uuid4().hex[:12])
 
 
 class BootError(Exception):
@@ -119,8 +135,10 @@ class Shard:
     """A shard's state and loops (constructor is pure: no loop, client, socket or task)."""
 
     def __init__(self, cfg: Config, index: int = 0, clock: Clock | None = None,
-                 reporter: Reporter | None = None, predecessor: str | None = None) -> None:
+                 reporter: Reporter | None = None, predecessor: str | None = None,
+                 env: Environment | None = None) -> None:
         self.cfg = cfg
+        self.env = env or Environment()
         self.index = index
         self.clock = clock or SystemClock(cfg.lease.clock_offset_ms)
         self.task_id = cfg.runtime.task_id or socket.gethostname()
@@ -155,7 +173,7 @@ class Shard:
         self.hints_done = asyncio.Event()
         self._install_signals()
         async with AsyncExitStack() as stack:
-            clients = await open_clients(stack, self.cfg.aws)
+            clients = await self.env.open_clients(stack, self.cfg.aws)
             self.ddb = clients.dynamodb
             self.sink_ddb = clients.sink_dynamodb
             self.leases = LeaseStore(self.ddb, self.cfg.aws, self.cfg.lease, self.clock, self._count_request)
@@ -182,7 +200,7 @@ class Shard:
         return exits.OK
 
     def _install_signals(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
+        if not self.env.signals or threading.current_thread() is not threading.main_thread():
             return  # an in-process test harness; it stops us with request_stop()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -257,7 +275,7 @@ class Shard:
     # ----- sessions and renewal -----------------------------------------------------------------
 
     async def _new_session(self) -> Outcome:
-        sid = f"{self.task_id}/{self.index}/{uuid.uuid4().hex[:12]}"
+        sid = f"{self.task_id}/{self.index}/{self.env.nonce()}"
         started = self.clock.monotonic()
         info = SessionInfo(sid, self.task_id, self.index, self.capacity, pid=os.getpid())
         outcome = await self.leases.create_session(info)
@@ -492,7 +510,7 @@ class Shard:
                                                                "error": str(e)})
             return None
         conn = Connection(item.connection_id, url, cursor, last_seq, self.sink, self.cfg.upstream,
-                          self.stats, self.clock)
+                          self.stats, self.clock, self.env.connect)
         if self.sink.pressured:
             # Born paused: the pressure callback only paused the connections that existed when
             # the sink crossed its high watermark; a stream claimed afterwards read on unchecked

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import random
 import urllib.parse
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -34,6 +35,8 @@ _STABLE_S = 10.0  # a connection up this long resets the reconnect backoff
 # Largest seq accepted: 2^53 - 1, the largest integer JSON carries exactly between implementations
 # (RFC 7493 §2.2).  Beyond it a seq is a bad frame, not a jump (fault suite, issue #7).
 MAX_SEQ = 2**53 - 1
+# How a connection opens a socket: picows's ``ws_connect`` (the deterministic simulation passes its own).
+Connector = Callable[..., Awaitable[tuple[WSTransport, Any]]]
 
 
 def resume_url(url: str, param: str, from_seq: int) -> str:
@@ -188,6 +191,7 @@ class Connection:
         "cfg",
         "clock",
         "closing",
+        "connect",
         "connected",
         "connection_id",
         "cursor",
@@ -202,8 +206,9 @@ class Connection:
     )
 
     def __init__(self, connection_id: str, url: str, cursor: Cursor, last_seq: int | None, sink: Sink,
-                 cfg: UpstreamConfig, stats: Stats, clock: Clock) -> None:
+                 cfg: UpstreamConfig, stats: Stats, clock: Clock, connect: Connector = ws_connect) -> None:
         self.connection_id = connection_id
+        self.connect = connect
         self.url = url
         self.cursor = cursor
         # None: the item never recorded a seq, so we cannot ask for a resume point.
@@ -280,7 +285,7 @@ class Connection:
             backoff = min(backoff * 2, self.cfg.backoff_max_s)
 
     async def _stream_once(self) -> None:
-        transport, _ = await ws_connect(
+        transport, _ = await self.connect(
             lambda: _Listener(self),
             self._connect_url(),
             websocket_handshake_timeout=self.cfg.handshake_timeout_s,
