@@ -114,6 +114,24 @@ class ClaimResult:
     item: ConnItem | None = None
     detail: str = ""
     bad_item: bool = False  # the item's own attributes made the claim invalid (e.g. a non-numeric lease_epoch)
+    # Monotonic time just before the claim was first sent: an item lease it won expires at most
+    # ``lease_ttl_s`` after it (every SDK retry re-sends the same expiry), so deadlines count from here.
+    sent_at: float = 0.0
+
+
+class Fate(enum.Enum):
+    """A session as a consistent read (and, if due, a tombstone write) finds it."""
+
+    ALIVE = "alive"    # renewing, or expired too recently to be declared dead
+    DEAD = "dead"      # it carries a tombstone (``dead_at_ms``): final, renewals can never succeed again
+    GONE = "gone"      # no session item: forgotten after its grace, or never created
+    UNKNOWN = "unknown"  # the reads or the tombstone write failed: decide nothing
+
+
+@dataclass(frozen=True, slots=True)
+class SessionDeath:
+    fate: Fate
+    dead_at_ms: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +211,8 @@ class LeaseStore:
         return self.clock.now_ms() + self.ttl_ms
 
     async def claim(self, connection_id: str, me: str, dead_owner: str | None = None) -> ClaimResult:
-        """Take a free/expired item, or one owned by ``dead_owner`` (a confirmed-dead session)."""
+        """Take a free/expired item, or one owned by ``dead_owner`` (a session with a tombstone)."""
+        sent_at = self.clock.monotonic()
         now = self.clock.now_ms()
         cond = "attribute_not_exists(lease_expires_at_ms) OR lease_expires_at_ms < :t"
         values = {":started": _s(STARTED), ":t": _n(now - self.skew_ms), ":me": _s(me),
@@ -212,28 +231,28 @@ class LeaseStore:
             ReturnValues="ALL_NEW",
         )
         if outcome is Outcome.WON:
-            return self._claimed(resp["Attributes"])
+            return self._claimed(resp["Attributes"], sent_at)
         if outcome is Outcome.LOST and not _was_retried(resp):
-            return ClaimResult(Outcome.LOST)
+            return ClaimResult(Outcome.LOST, sent_at=sent_at)
         if outcome is Outcome.FATAL and error_code(resp["error"]) == "ValidationException":
             # The claim is valid for every well-formed item: this item's attributes do not fit it
             # (ADD on a non-numeric lease_epoch …).  Nothing was written; no claim of it can succeed.
-            return ClaimResult(Outcome.FATAL, None, str(resp["error"]), bad_item=True)
+            return ClaimResult(Outcome.FATAL, None, str(resp["error"]), bad_item=True, sent_at=sent_at)
         # The SDK retried (or gave up): our first attempt may have succeeded with its answer lost.
-        return await self._check_claim(connection_id, me, outcome, resp)
+        return await self._check_claim(connection_id, me, outcome, resp, sent_at)
 
-    def _claimed(self, attrs: dict[str, Any]) -> ClaimResult:
+    def _claimed(self, attrs: dict[str, Any], sent_at: float) -> ClaimResult:
         try:
-            return ClaimResult(Outcome.WON, ConnItem.parse(attrs))
+            return ClaimResult(Outcome.WON, ConnItem.parse(attrs), sent_at=sent_at)
         except BadItem as e:
-            return ClaimResult(Outcome.WON, None, str(e))
+            return ClaimResult(Outcome.WON, None, str(e), sent_at=sent_at)
 
     async def _check_claim(self, connection_id: str, me: str, outcome: Outcome,
-                           resp: dict[str, Any]) -> ClaimResult:
+                           resp: dict[str, Any], sent_at: float) -> ClaimResult:
         item = await self.get(connection_id)
         if item is not None and item.lease_owner == me and item.lease_expires_at_ms >= self.clock.now_ms():
-            return ClaimResult(Outcome.WON, item, "ambiguous claim confirmed by consistent read")
-        return ClaimResult(outcome, None, str(resp.get("error", "")))
+            return ClaimResult(Outcome.WON, item, "ambiguous claim confirmed by consistent read", sent_at=sent_at)
+        return ClaimResult(outcome, None, str(resp.get("error", "")), sent_at=sent_at)
 
     async def get(self, connection_id: str) -> ConnItem | None:
         """Consistent read of one connection item (None if absent or unreadable)."""
@@ -245,16 +264,17 @@ class LeaseStore:
         return ConnItem.parse(resp["Item"]) if "Item" in resp else None
 
     async def release(self, connection_id: str, me: str, epoch: int, last_seq: int) -> Outcome:
-        """Give the item back (free now), recording the final ``last_seq``."""
+        """Give the item back (free now), recording the final ``last_seq`` (none when it is -1: a
+        stream that never wrote anything has no resume point, and 0 would skip an upstream's seq 0)."""
+        values = {":zero": _n(0), ":me": _s(me), ":epoch": _n(epoch), ":now": _n(self.clock.now_ms())}
         outcome, _ = await self._write(
             "UpdateItem",
             TableName=self.conns,
             Key={"connection_id": _s(connection_id)},
-            UpdateExpression="SET lease_expires_at_ms = :zero, last_seq = :seq, updated_at_ms = :now "
+            UpdateExpression=f"SET lease_expires_at_ms = :zero, {_set_seq(values, last_seq)}updated_at_ms = :now "
                              "REMOVE lease_owner",
             ConditionExpression="lease_owner = :me AND lease_epoch = :epoch",
-            ExpressionAttributeValues={":zero": _n(0), ":seq": _n(last_seq), ":me": _s(me),
-                                       ":epoch": _n(epoch), ":now": _n(self.clock.now_ms())},
+            ExpressionAttributeValues=values,
         )
         return outcome
 
@@ -272,7 +292,7 @@ class LeaseStore:
         return outcome
 
     async def checkpoint(self, connection_id: str, me: str, epoch: int, last_seq: int) -> Outcome:
-        """Record ``last_seq`` while still holding the lease."""
+        """Record ``last_seq`` (≥ 0) while still holding the lease."""
         outcome, _ = await self._write(
             "UpdateItem",
             TableName=self.conns,
@@ -396,7 +416,8 @@ class LeaseStore:
             TableName=self.sessions,
             Key={"session_id": _s(session_id)},
             UpdateExpression="SET expires_at_ms = :exp, held = :held, draining = :dr, #ttl = :ttl",
-            ConditionExpression="expires_at_ms >= :now",
+            # A tombstone is final: a renewal (or its SDK retry, landing late) never revives a dead session.
+            ConditionExpression="attribute_not_exists(dead_at_ms) AND expires_at_ms >= :now",
             ExpressionAttributeNames={"#ttl": "ttl"},
             ExpressionAttributeValues={":exp": _n(expires), ":now": _n(now), ":held": _n(held),
                                        ":dr": {"BOOL": draining},
@@ -415,22 +436,67 @@ class LeaseStore:
             TableName=self.sessions,
             Key={"session_id": _s(session_id)},
             UpdateExpression="ADD handed_count :one",
-            ConditionExpression="expires_at_ms >= :now",
+            ConditionExpression="attribute_not_exists(dead_at_ms) AND expires_at_ms >= :now",
             ExpressionAttributeValues={":now": _n(self.clock.now_ms()), ":one": _n(1)},
         )
         return outcome
 
     async def expire_session(self, session_id: str) -> Outcome:
-        """End a session now (graceful end, or the supervisor burying a crashed shard)."""
+        """Declare a session dead now, by its owner (graceful end, a shard abandoning a fenced session)
+        or its supervisor (a crashed shard): a tombstone ``dead_at_ms``, and ``expires_at_ms`` 0 so that
+        ``by_expiry`` lists it at once.  Only whoever knows the session streams nothing may write it.
+        LOST: no such session, or it was already dead (its first tombstone stands)."""
         outcome, _ = await self._write(
             "UpdateItem",
             TableName=self.sessions,
             Key={"session_id": _s(session_id)},
-            UpdateExpression="SET expires_at_ms = :zero",
-            ConditionExpression="attribute_exists(session_id)",
-            ExpressionAttributeValues={":zero": _n(0)},
+            UpdateExpression="SET dead_at_ms = :now, expires_at_ms = :zero",
+            ConditionExpression="attribute_exists(session_id) AND attribute_not_exists(dead_at_ms)",
+            ExpressionAttributeValues={":zero": _n(0), ":now": _n(self.clock.now_ms())},
         )
         return outcome
+
+    async def declare_dead(self, session_id: str) -> Outcome:
+        """A peer's tombstone: only for a session expired beyond the skew on our clock (its owner fenced
+        ``safety_margin_s`` before that on its own), and never twice.  WON: it is dead from now on."""
+        now = self.clock.now_ms()
+        outcome, _ = await self._write(
+            "UpdateItem",
+            TableName=self.sessions,
+            Key={"session_id": _s(session_id)},
+            UpdateExpression="SET dead_at_ms = :now",
+            ConditionExpression="attribute_not_exists(dead_at_ms) AND expires_at_ms < :t",
+            ExpressionAttributeValues={":now": _n(now), ":t": _n(now - self.skew_ms)},
+        )
+        return outcome
+
+    async def fate(self, session_id: str) -> SessionDeath:
+        """Whether a session is dead, by a consistent read; an expired session without a tombstone is
+        given one first.  Only DEAD licenses taking its items over: GSI reads only nominate."""
+        try:
+            record = await self._session_record(session_id)
+            if record is None:
+                return SessionDeath(Fate.GONE)
+            if "dead_at_ms" not in record:
+                if not self.expired(_num(record, "expires_at_ms")):
+                    return SessionDeath(Fate.ALIVE)
+                if await self.declare_dead(session_id) is Outcome.RETRYABLE:
+                    return SessionDeath(Fate.UNKNOWN)
+                record = await self._session_record(session_id)  # ours, or the tombstone that beat it
+                if record is None:
+                    return SessionDeath(Fate.GONE)
+                if "dead_at_ms" not in record:
+                    return SessionDeath(Fate.ALIVE)  # it renewed just before our write
+        except Exception:
+            return SessionDeath(Fate.UNKNOWN)
+        return SessionDeath(Fate.DEAD, _num(record, "dead_at_ms"))
+
+    async def _session_record(self, session_id: str) -> dict[str, Any] | None:
+        resp = await self._call("GetItem", TableName=self.sessions, ConsistentRead=True,
+                                Key={"session_id": _s(session_id)},
+                                ProjectionExpression="session_id, expires_at_ms, dead_at_ms")
+        item: dict[str, Any] | None = resp.get("Item")
+        return item
 
     async def expired_sessions(self, limit: int = 1000) -> list[str]:
         """Candidate dead sessions from ``by_expiry`` (eventually consistent: confirm before use)."""
@@ -483,14 +549,16 @@ class LeaseStore:
     async def push(self, connection_id: str, me: str, epoch: int, last_seq: int, to: str) -> Outcome:
         """Session mode: hand a held item straight to the live session ``to`` (rebalancing), recording
         the final ``last_seq``.  ``to`` adopts it with a claim conditioned on being its owner."""
+        values = {":to": _s(to), ":now": _n(self.clock.now_ms()), ":one": _n(1), ":me": _s(me),
+                  ":epoch": _n(epoch), ":started": _s(STARTED)}
         outcome, _ = await self._write(
             "UpdateItem",
             TableName=self.conns,
             Key={"connection_id": _s(connection_id)},
-            UpdateExpression="SET lease_owner = :to, last_seq = :seq, updated_at_ms = :now ADD lease_epoch :one",
+            UpdateExpression=f"SET lease_owner = :to, {_set_seq(values, last_seq)}updated_at_ms = :now "
+                             "ADD lease_epoch :one",
             ConditionExpression="lease_owner = :me AND lease_epoch = :epoch AND desired_state = :started",
-            ExpressionAttributeValues={":to": _s(to), ":seq": _n(last_seq), ":now": _n(self.clock.now_ms()),
-                                       ":one": _n(1), ":me": _s(me), ":epoch": _n(epoch), ":started": _s(STARTED)},
+            ExpressionAttributeValues=values,
         )
         return outcome
 
@@ -502,24 +570,29 @@ class LeaseStore:
         return None if item is None else _num(item, "expires_at_ms")
 
     async def session_is_dead(self, session_id: str) -> bool:
-        """Consistent read: missing or expired beyond the skew.  Final, since expiry is permanent."""
-        expiry = await self.session_expiry(session_id)
-        return expiry is None or self.expired(expiry)
+        """Consistent read: missing, or carrying a tombstone (final).  An expired session without one is
+        not dead yet: a late renewal may still extend it until someone writes the tombstone."""
+        return (await self.fate(session_id)).fate in (Fate.DEAD, Fate.GONE)
 
     def expired(self, expiry_ms: int, grace_ms: int = 0) -> bool:
         """A session with this expiry is dead for everyone (past the skew), and ``grace_ms`` more."""
         return expiry_ms < self.clock.now_ms() - self.skew_ms - grace_ms
 
     async def delete_dead_session(self, session_id: str) -> Outcome:
-        """Forget a dead session that owns nothing, once ``dead_grace_ms`` past its death (LOST before)."""
+        """Forget a dead session that owns nothing, once ``dead_grace_ms`` past its tombstone (LOST
+        before, and for a session without one): a claim it sent before dying has landed by then."""
         outcome, _ = await self._write(
             "DeleteItem",
             TableName=self.sessions,
             Key={"session_id": _s(session_id)},
-            ConditionExpression="expires_at_ms < :t",
+            ConditionExpression="dead_at_ms < :t",
             ExpressionAttributeValues={":t": _n(self.clock.now_ms() - self.skew_ms - self.dead_grace_ms)},
         )
         return outcome
+
+    def past_grace(self, dead_at_ms: int) -> bool:
+        """A session that died at ``dead_at_ms`` can no longer have a claim land (see delete_dead_session)."""
+        return dead_at_ms < self.clock.now_ms() - self.skew_ms - self.dead_grace_ms
 
     async def free_stopped(self, connection_id: str, owner: str) -> Outcome:
         """Free a STOPPED item that ``owner`` owns but does not stream: a dead session's (nobody may
@@ -527,12 +600,17 @@ class LeaseStore:
         forgotten), or one handed to us that was stopped before we adopted it."""
         return await self.disown(connection_id, owner, stopped_only=True)
 
-    async def disown(self, connection_id: str, owner: str, stopped_only: bool = False) -> Outcome:
-        """Make an item ``owner`` owns, and does not stream, free (its ``last_seq`` is kept)."""
+    async def disown(self, connection_id: str, owner: str, stopped_only: bool = False,
+                     epoch: int | None = None) -> Outcome:
+        """Make an item ``owner`` owns, and does not stream, free (its ``last_seq`` is kept); with
+        ``epoch``, only that tenure of it (a claim won too late to be used)."""
         cond = "lease_owner = :owner" + (" AND desired_state = :stopped" if stopped_only else "")
         values = {":zero": _n(0), ":now": _n(self.clock.now_ms()), ":owner": _s(owner)}
         if stopped_only:
             values[":stopped"] = _s(STOPPED)
+        if epoch is not None:
+            cond += " AND lease_epoch = :epoch"
+            values[":epoch"] = _n(epoch)
         outcome, _ = await self._write(
             "UpdateItem",
             TableName=self.conns,
@@ -550,7 +628,7 @@ class LeaseStore:
             TableName=self.sessions,
             Key={"session_id": _s(session_id)},
             UpdateExpression="SET draining = :t",
-            ConditionExpression="expires_at_ms >= :now",
+            ConditionExpression="attribute_not_exists(dead_at_ms) AND expires_at_ms >= :now",
             ExpressionAttributeValues={":t": {"BOOL": True}, ":now": _n(self.clock.now_ms())},
         )
         return outcome
@@ -568,6 +646,14 @@ class LeaseStore:
             start = resp.get("LastEvaluatedKey")
             if not start:
                 return items
+
+
+def _set_seq(values: dict[str, Any], last_seq: int) -> str:
+    """The ``last_seq = :seq, `` part of a SET clause, or nothing for -1 (no resume point known)."""
+    if last_seq < 0:
+        return ""
+    values[":seq"] = _n(last_seq)
+    return "last_seq = :seq, "
 
 
 def _was_retried(resp: dict[str, Any]) -> bool:

@@ -40,7 +40,7 @@ from fleetd.clock import Clock, SystemClock
 from fleetd.config import Config
 from fleetd.ctl import validate_url
 from fleetd.hints import Hints, HintStream
-from fleetd.lease import STOPPED, ClaimResult, ConnItem, LeaseStore, Outcome, SessionInfo, classify
+from fleetd.lease import STOPPED, ClaimResult, ConnItem, Fate, LeaseStore, Outcome, SessionInfo, classify
 from fleetd.sink import Cursor, Sink
 from fleetd.stats import Stats
 from fleetd.upstream import Connection, Connector
@@ -89,16 +89,44 @@ class Held:
     conn: Connection | None  # None: parked (its ws_url is invalid)
     deadline: float = 0.0  # item mode: monotonic time at which we must fence it
     releasing: bool = False
+    restarting: bool = False  # its socket is being replaced (a new ws_url)
     checkpointed_at: float = 0.0  # monotonic time of our last checkpoint of it (or a random phase)
 
 
 @dataclass(slots=True)
 class SessionState:
+    """The shard's session.  ``generation`` changes whenever the session is opened or abandoned, and
+    an answer is applied only under the generation it was sent in: an abandoned session is never
+    used again, whatever answers for it arrive later (a renewal, a claim)."""
+
     session_id: str = ""
     deadline: float = 0.0  # monotonic fence deadline of the whole session
     generation: int = 0
+    abandoned: bool = True  # no session open (before the first, or between abandon and replacement)
     previous: list[str] = field(default_factory=list)  # our own abandoned sessions, to adopt from
     handed_seen: int = 0  # the session's handed_count when we last looked for streams handed to us
+
+    def live(self, now: float, generation: int | None = None) -> bool:
+        """Open, not abandoned, within its deadline (and still ``generation``, if given)."""
+        if generation is not None and generation != self.generation:
+            return False
+        return not self.abandoned and now < self.deadline
+
+    def abandon(self) -> str:
+        """Give the session up now: nothing sent under it is applied any more.  Returns its id."""
+        self.abandoned = True
+        self.deadline = 0.0
+        self.generation += 1
+        return self.session_id
+
+    def open(self, session_id: str, deadline: float) -> None:
+        if self.session_id:
+            self.previous.append(self.session_id)
+        self.session_id = session_id
+        self.deadline = deadline
+        self.abandoned = False
+        self.generation += 1
+        self.handed_seen = 0  # a new session item counts from zero
 
 
 async def _wait(event: asyncio.Event, timeout_s: float) -> bool:
@@ -149,6 +177,7 @@ class Shard:
         self.claiming: set[str] = set()
         self.unclaimable: dict[str, float] = {}  # connection id → monotonic time it may be tried again
         self.receiving_until = 0.0  # below our share until then: watch for streams handed to us
+        self.announced: set[str] = set()  # dead sessions named by DEAD_SESSION hints, taken over first
         self.session = SessionState()
         self.capacity = cfg.runtime.max_connections_per_shard
         self.stopping: asyncio.Event | None = None
@@ -281,12 +310,7 @@ class Shard:
         outcome = await self.leases.create_session(info)
         if outcome is not Outcome.WON:
             return outcome
-        if self.session.session_id:
-            self.session.previous.append(self.session.session_id)
-        self.session.session_id = sid
-        self.session.generation += 1
-        self.session.handed_seen = 0  # a new session item counts from zero
-        self.session.deadline = started + self.cfg.lease.lease_ttl_s - self.cfg.lease.safety_margin_s
+        self.session.open(sid, started + self.cfg.lease.lease_ttl_s - self.cfg.lease.safety_margin_s)
         self.sink.set_session(sid)
         logs.set_context(session=sid)
         log.info("session opened", extra={"session_id": sid})
@@ -297,7 +321,7 @@ class Shard:
         assert self.stopping is not None
         delay = self.cfg.lease.heartbeat_s
         while not await _wait(self.stopping, delay):
-            ok = await self._renew_session()
+            ok = self.session.abandoned or await self._renew_session()  # abandoned: a replacement is under way
             delay = self.cfg.lease.heartbeat_s if ok else min(1.0, self.cfg.lease.heartbeat_s / 4)
 
     async def _items_loop(self) -> None:
@@ -354,36 +378,37 @@ class Shard:
         return min(self.session.deadline, min(h.deadline for h in self.held.values()))
 
     async def _renew_session(self) -> bool:
+        """One renewal.  Its deadline counts from before the send; its answer counts only for the
+        generation it was sent in (after an abandon, a late WON must not revive the session)."""
         started = self.clock.monotonic()
-        sid = self.session.session_id
+        sid, generation = self.session.session_id, self.session.generation
         outcome, _, handed = await self.leases.renew_session(sid, held=len(self.held), draining=self._is_stopping())
         self.stats.inc("lease_renewals_total", result=outcome.value)
-        if handed > self.session.handed_seen and sid == self.session.session_id:
+        if generation != self.session.generation:
+            return False
+        if handed > self.session.handed_seen:
             # A peer handed us streams while our own view of the fleet did not have us watching.
             self.session.handed_seen = handed
             self.receiving_until = max(self.receiving_until, self.clock.monotonic() + 2 * RECEIVE_POLL_S)
-        if outcome is Outcome.WON and sid == self.session.session_id:
-            self.session.deadline = started + self.cfg.lease.lease_ttl_s - self.cfg.lease.safety_margin_s
+        if outcome is Outcome.WON:
+            self.session.deadline = max(self.session.deadline,
+                                        started + self.cfg.lease.lease_ttl_s - self.cfg.lease.safety_margin_s)
             return True
-        if outcome is Outcome.LOST and sid == self.session.session_id:
-            # Our session expired (we were partitioned too long): it can never come back.  A renewal
-            # of a session the watchdog already replaced is old news: acting on it fenced the new
-            # session's fresh claims and replaced it too (fault suite, issue #7).
+        if outcome is Outcome.LOST:
+            # Expired or declared dead (we were partitioned too long): it can never come back.
             log.warning("session lost", extra={"session_id": sid})
-            self._fence_all("session_lost")
-            await self._replace_session()
+            await self._replace_session("session_lost")
         return False
 
     async def _enforce_deadlines(self) -> None:
-        if self.replacing.locked():
+        if self.session.abandoned:
             return  # a replacement is under way; nothing is held meanwhile
         now = self.clock.monotonic()
         if now >= self.session.deadline:
             if self.held:
                 log.warning("self-fencing: session not renewed in time", extra={"held": len(self.held)})
                 self.stats.inc("self_fence_total")
-                self._fence_all("self_fence")
-            await self._replace_session()
+            await self._replace_session("self_fence")
             return
         if self.cfg.lease.lease_mode == "item":
             for cid in [cid for cid, h in self.held.items() if now >= h.deadline]:
@@ -394,19 +419,20 @@ class Shard:
         for cid in list(self.held):
             self._lose(cid, reason)
 
-    async def _replace_session(self) -> None:
-        """Abandon the current session (best effort: expire it) and open a new one, retrying."""
-        old = self.session.session_id
-        async with self.replacing:
-            if self.session.session_id != old:
-                return  # someone else (heartbeat vs. watchdog) already replaced it
-            await self._abandon(old)
-            await self._open_replacement()
+    async def _replace_session(self, reason: str) -> None:
+        """Abandon the current session and open a new one, retrying.
 
-    async def _abandon(self, old: str) -> None:
-        self.session.deadline = 0.0  # no claims under a session we gave up
-        with suppress(TimeoutError):  # DynamoDB unreachable: the session expires on its own
-            await asyncio.wait_for(self.leases.expire_session(old), self.cfg.aws.aws_timeout_s)
+        The abandon is synchronous, before any await: every stream is fenced and the generation
+        moves on, so no answer sent under the old session is applied from here on.  Then the
+        tombstone (best effort: unwritten, the session expires and a peer writes it)."""
+        if self.session.abandoned:
+            return  # already being replaced (heartbeat vs. watchdog)
+        self._fence_all(reason)
+        old = self.session.abandon()
+        async with self.replacing:
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self.leases.expire_session(old), self.cfg.aws.aws_timeout_s)
+            await self._open_replacement()
 
     async def _open_replacement(self) -> None:
         assert self.stopping is not None
@@ -419,6 +445,14 @@ class Shard:
             if await _wait(self.stopping, delay):
                 return
             delay = min(delay * 2, 5.0)
+
+    def _forget(self, cid: str, h: Held) -> None:
+        """A stream released or handed over: drop this record of it (never a newer one)."""
+        if self.held.get(cid) is h:
+            del self.held[cid]
+        if h.conn is not None:
+            h.conn.fence()  # already closed; a no-op unless a restart raced the release
+        self.sink.deactivate(h.cursor)
 
     def _lose(self, cid: str, reason: str) -> None:
         """Lease lost or about to expire: fence the stream now, no release."""
@@ -437,29 +471,52 @@ class Shard:
     def free_capacity(self) -> int:
         return self.capacity - len(self.held) - len(self.claiming)
 
-    async def claim(self, cid: str, dead_owner: str | None = None, source: str = "reconcile") -> Outcome:
-        """Try to take one connection and start streaming it."""
+    async def claim(self, cid: str, dead_owner: str | None = None, source: str = "reconcile") -> Outcome | None:
+        """Try to take one connection and start streaming it; None when it did not try (held, being
+        claimed, skipped, no room, or no live session), LOST when the condition failed."""
         if (cid in self.held or cid in self.claiming or self._skipped(cid) or self.free_capacity() <= 0
                 or not self._may_claim()):
-            return Outcome.LOST
+            return None
         self.claiming.add(cid)
-        generation = self.session.generation
+        generation, me = self.session.generation, self.session.session_id
         try:
-            result = await self.leases.claim(cid, self.session.session_id, dead_owner)
+            result = await self.leases.claim(cid, me, dead_owner)
         finally:
             self.claiming.discard(cid)
         self.stats.inc("lease_claims_total", result=result.outcome.value)
         if result.bad_item:
             self._mark_unclaimable(cid, result.detail)
-        if result.outcome is Outcome.WON and not self._may_claim(generation):
-            # The session was given up while the claim was in flight: the item now belongs to a dead
-            # session and is taken over like any other; streaming it here could double-stream.
+        if result.outcome is Outcome.WON and not self._usable(result, generation):
+            # Won too late to be used: the session was given up (or the shard is stopping) while the
+            # claim was in flight, or its item lease is already past our fence deadline.  Give it
+            # back at once, so that it is not left to an abandoned session.
             self.stats.inc("lease_claims_orphaned_total")
+            await self._disown_late(cid, me, result)
             return Outcome.LOST
         if result.outcome is Outcome.WON:
             self.stats.inc(f"{source}_claims_total")  # reconcile, hint or handed
             self._adopt(cid, result)
         return result.outcome
+
+    def _usable(self, result: ClaimResult, generation: int) -> bool:
+        """A claim's win may be streamed: same live session generation, and (item mode) its lease,
+        counted from the claim's send time, not yet at our fence deadline."""
+        if not self._may_claim(generation):
+            return False
+        return self.cfg.lease.lease_mode != "item" or self.clock.monotonic() < self._item_deadline(result.sent_at)
+
+    def _item_deadline(self, sent_at: float) -> float:
+        """Item mode: the fence deadline of a lease written by a request first sent at ``sent_at``."""
+        return sent_at + self.cfg.lease.lease_ttl_s - self.cfg.lease.safety_margin_s
+
+    async def _disown_late(self, cid: str, me: str, result: ClaimResult) -> None:
+        epoch = result.item.lease_epoch if result.item is not None else None
+        try:
+            outcome = await self.leases.disown(cid, me, epoch=epoch)
+            if outcome is Outcome.WON:
+                await asyncio.wait_for(self.hints.send_start([cid]), self.cfg.aws.aws_timeout_s)
+        except Exception as e:  # the orphan sweep or the dead session's takeover frees it later
+            log.warning("could not give back a late claim", extra={"connection_id": cid, "error": repr(e)})
 
     def _skipped(self, cid: str) -> bool:
         until = self.unclaimable.get(cid)
@@ -477,9 +534,7 @@ class Shard:
 
     def _may_claim(self, generation: int | None = None) -> bool:
         """Only a live session that is still the current one may take work."""
-        if generation is not None and generation != self.session.generation:
-            return False
-        return not self._is_stopping() and self.clock.monotonic() < self.session.deadline
+        return not self._is_stopping() and self.session.live(self.clock.monotonic(), generation)
 
     def _adopt(self, cid: str, result: ClaimResult) -> None:
         item = result.item
@@ -490,10 +545,9 @@ class Shard:
             log.warning("claimed item is unreadable", extra={"connection_id": cid, "error": result.detail})
             item = ConnItem(cid, "", "STARTED", self.session.session_id, 0, 0, -1)
         last_seq = item.last_seq if item.last_seq >= 0 else None
-        cursor = self.sink.cursor(cid, item.lease_epoch, max(item.last_seq, 0))
+        cursor = self.sink.cursor(cid, item.lease_epoch, item.last_seq)  # -1: nothing written yet
         now = self.clock.monotonic()
-        held = Held(item, item.lease_epoch, cursor, None,
-                    deadline=now + self.cfg.lease.lease_ttl_s - self.cfg.lease.safety_margin_s,
+        held = Held(item, item.lease_epoch, cursor, None, deadline=self._item_deadline(result.sent_at),
                     # A random phase: connections claimed together must not all reach their idle
                     # checkpoint in the same tick (a burst of one write per connection).
                     checkpointed_at=now - random.uniform(0, self.cfg.lease.checkpoint_idle_s))
@@ -552,10 +606,15 @@ class Shard:
                 w.cancel()
 
     async def _reconcile(self, rounds: int) -> bool:
-        """One round; True when free items remain that we could take."""
+        """One round; True when free items remain that we could take.  Without a live session it
+        reads nothing: the replacement wakes it (a round that cannot claim only loads the index)."""
+        if not self._may_claim():
+            return False
         for old in list(self.session.previous):
             if await self._take_over(old):
                 self.session.previous.remove(old)
+        while self.announced and self.free_capacity() > 0:
+            await self._take_over(self.announced.pop())
         if self.free_capacity() <= 0:
             return False
         # An emptier shard claims first: delay proportional to load spreads connections evenly.
@@ -596,11 +655,15 @@ class Shard:
         self.expiry_wake = self.loop.call_at(when, lambda: wake.set() if wake is not None else None)
 
     async def _take_over(self, dead: str) -> bool:
-        """Claim a confirmed-dead session's items; forget it once it owns nothing.  True when done."""
-        expiry = await self.leases.session_expiry(dead)
-        if expiry is None:
+        """Claim a dead session's items; forget it once it owns nothing.  True when done.
+
+        Dead means a tombstone, written by us now (``fate``) if the session is expired without one:
+        an expired session read from an index may have renewed since, and a renewal landing late
+        may extend it, but never past a tombstone."""
+        death = await self.leases.fate(dead)
+        if death.fate is Fate.GONE:
             return True  # a peer already forgot it
-        if not self.leases.expired(expiry):
+        if death.fate is not Fate.DEAD:
             return False
         ids = [cid for cid in await self.leases.items_of(dead) if not self._skipped(cid)]
         random.shuffle(ids)
@@ -616,7 +679,7 @@ class Shard:
         freed = await _bounded(lost, self.cfg.lease.claim_concurrency,
                                lambda cid: self.leases.free_stopped(cid, dead))
         self.stats.inc("dead_session_stopped_freed_total", float(sum(o is Outcome.WON for o in freed)))
-        if await self.leases.items_of(dead, limit=1) or not self.leases.expired(expiry, self.leases.dead_grace_ms):
+        if await self.leases.items_of(dead, limit=1) or not self.leases.past_grace(death.dead_at_ms):
             return False  # keep looking until no late claim of the dead session can land
         return await self.leases.delete_dead_session(dead) in (Outcome.WON, Outcome.LOST)  # LOST: a peer did
 
@@ -662,6 +725,8 @@ class Shard:
         ids = [cid for cid in candidates if cid not in self.held and not self._skipped(cid)]
         random.shuffle(ids)  # peers scanning the same index should not all race for the same items
         outcomes = await _bounded(ids[:want], self.cfg.lease.claim_concurrency, self.claim)
+        if any(o is None for o in outcomes):
+            return False  # it stopped trying (full, stopping, or the session went): no quick next step
         return len(ids) > want or (len(ids) == want and all(o is Outcome.WON for o in outcomes))
 
     # ----- rebalancing -------------------------------------------------------------------------------
@@ -740,8 +805,7 @@ class Shard:
                 cid, h.item.lease_owner or self.session.session_id, h.epoch, h.cursor.last_seq, to), until, self.clock)
             self.stats.inc("rebalance_moves_total", result=outcome.value)
             if outcome is Outcome.WON:
-                self.held.pop(cid, None)
-                self.sink.deactivate(h.cursor)
+                self._forget(cid, h)
             return outcome is Outcome.WON
 
         moved = await _bounded(entries, self.cfg.lease.claim_concurrency, push)
@@ -819,7 +883,10 @@ class Shard:
                 # are ours to take at once (the reconcile confirms the session is dead first).
                 (returned if self._is_stopping() else taken).append(hint.receipt)
                 if not self._is_stopping() and self.wake_reconcile is not None:
+                    # Taken over by name at once (a consistent read decides), not through `by_expiry`,
+                    # whose eventually consistent view may not list it yet.
                     log.info("dead session announced", extra={"dead_session": hint.dead_session})
+                    self.announced.add(hint.dead_session)
                     self.wake_reconcile.set()
                 continue
             # `ctl start` of an item we hold (e.g. a new URL for a parked one): read it now
@@ -892,9 +959,21 @@ class Shard:
             await self._release_many(to_release, hint=False)
 
     async def _restart(self, cid: str, h: Held, item: ConnItem) -> None:
-        """The item's ws_url changed (e.g. a parked item was fixed): reconnect to the new URL."""
-        if h.conn is not None:
-            await h.conn.close(timeout_s=1.0)
+        """The item's ws_url changed (e.g. a parked item was fixed): reconnect to the new URL.
+
+        One socket per held stream: one restart at a time per stream, and after closing the old
+        socket a new one opens only if the stream is still held, by the same record, and not being
+        released (a fence, release or hand-over during the close means another owner may be next)."""
+        if h.restarting:
+            return  # an overlapping check (the sweep and a `ctl start` hint) is already at it
+        h.restarting = True
+        try:
+            if h.conn is not None:
+                await h.conn.close(timeout_s=1.0)
+        finally:
+            h.restarting = False
+        if self.held.get(cid) is not h or h.releasing:
+            return
         h.item = item
         last = h.conn.last_received if h.conn is not None else (item.last_seq if item.last_seq >= 0 else None)
         h.conn = self._connect(item, h.cursor, last)  # same cursor: seqs keep increasing on it
@@ -922,8 +1001,7 @@ class Shard:
             cid, h = entry
             outcome = await _retrying(lambda: self.leases.release(
                 cid, h.item.lease_owner or self.session.session_id, h.epoch, h.cursor.last_seq), until, self.clock)
-            self.held.pop(cid, None)
-            self.sink.deactivate(h.cursor)
+            self._forget(cid, h)
             self.stats.inc("lease_releases_total", result=outcome.value)
             if stream is not None and outcome is Outcome.WON:
                 stream.add(cid)

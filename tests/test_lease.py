@@ -9,7 +9,7 @@ import pytest
 
 from fleetd.clock import ManualClock, SystemClock
 from fleetd.config import Config, replace
-from fleetd.lease import STARTED, LeaseStore, Outcome, SessionInfo
+from fleetd.lease import STARTED, Fate, LeaseStore, Outcome, SessionInfo
 from fleetd.schema import HELD_BY_SESSION
 from tests.helpers import arun, clients
 
@@ -149,7 +149,7 @@ def test_sessions_cannot_come_back_and_dead_items_move(cfg: Config) -> None:
             # Listed for the grace period, so a claim it sent just before dying is still found...
             assert await leases.delete_dead_session("t/0/x") is Outcome.LOST
             assert "t/0/x" in await leases.expired_sessions()
-            clock.advance(cfg.lease.dead_session_grace_s)
+            clock.advance(cfg.lease.dead_session_grace_s + cfg.lease.safety_margin_s + 0.001)
             assert await leases.delete_dead_session("t/0/x") is Outcome.WON
             assert "t/0/x" not in await leases.expired_sessions()
             assert await leases.session_expiry("t/0/x") is None
@@ -166,6 +166,81 @@ def test_expire_session_makes_it_dead_at_once(cfg: Config) -> None:
             assert await leases.session_is_dead("t/1/y")
             assert (await leases.renew_session("t/1/y", held=0))[0] is Outcome.LOST
             assert await leases.expire_session("t/1/nobody") is Outcome.LOST
+
+    arun(main())
+
+
+def test_a_session_ended_at_once_stays_listed_for_the_grace(cfg: Config) -> None:
+    """Regression (issue 13, defect 3): ending a session set expires_at_ms = 0, so the grace counted
+    from 1970 and the session could be forgotten at once; a claim it sent landing afterwards left an
+    item owned by a session nobody lists.  The grace now counts from the tombstone."""
+    clock = ManualClock(now_ms=SystemClock().now_ms())
+
+    async def main() -> None:
+        async with clients(cfg) as c:
+            leases = store(c.dynamodb, cfg, clock)
+            await leases.create_session(SessionInfo("t/2/z", "t", 2, 700))
+            assert await leases.expire_session("t/2/z") is Outcome.WON
+            assert await leases.expire_session("t/2/z") is Outcome.LOST  # the first tombstone stands
+            assert await leases.delete_dead_session("t/2/z") is Outcome.LOST
+            clock.advance(cfg.lease.dead_session_grace_s)
+            assert await leases.delete_dead_session("t/2/z") is Outcome.LOST
+            clock.advance(cfg.lease.safety_margin_s + 0.001)
+            assert await leases.delete_dead_session("t/2/z") is Outcome.WON
+
+    arun(main())
+
+
+def test_a_renewal_sent_before_expiry_cannot_revive_a_session_declared_dead(cfg: Config) -> None:
+    """Regression (issue 13, defect 1): a renewal builds ``:now`` once, so an SDK retry landing after
+    the session expired still passed ``expires_at_ms >= :now`` and extended a session a peer had
+    already read as dead.  Death is now a tombstone, and renewals are conditioned on its absence."""
+    start = SystemClock().now_ms()
+    sent, peer_clock = ManualClock(now_ms=start), ManualClock(now_ms=start)
+
+    async def main() -> None:
+        async with clients(cfg) as c:
+            owner, peer = store(c.dynamodb, cfg, sent), store(c.dynamodb, cfg, peer_clock)
+            await owner.create_session(SessionInfo("t/3/w", "t", 3, 700))
+            peer_clock.advance(cfg.lease.lease_ttl_s + cfg.lease.safety_margin_s + 0.001)
+            sent.advance(cfg.lease.lease_ttl_s - 0.5)  # a renewal sent just before the expiry ...
+            assert (await peer.fate("t/3/w")).fate is Fate.DEAD  # ... the peer declares it dead first
+            assert (await owner.renew_session("t/3/w", held=0))[0] is Outcome.LOST  # ... then it lands
+            assert (await peer.fate("t/3/w")).fate is Fate.DEAD
+            assert await peer.declare_dead("t/3/w") is Outcome.LOST  # never declared twice
+
+    arun(main())
+
+
+def test_a_live_session_cannot_be_declared_dead(cfg: Config) -> None:
+    clock = ManualClock(now_ms=SystemClock().now_ms())
+
+    async def main() -> None:
+        async with clients(cfg) as c:
+            leases = store(c.dynamodb, cfg, clock)
+            await leases.create_session(SessionInfo("t/4/v", "t", 4, 700))
+            clock.advance(cfg.lease.lease_ttl_s + cfg.lease.safety_margin_s - 0.1)  # expired, within the skew
+            assert await leases.declare_dead("t/4/v") is Outcome.LOST
+            assert (await leases.fate("t/4/v")).fate is Fate.ALIVE
+            assert (await leases.fate("t/4/none")).fate is Fate.GONE
+
+    arun(main())
+
+
+def test_release_of_a_stream_that_never_wrote_keeps_no_resume_point(cfg: Config) -> None:
+    """Regression (issue 13, defect 4): release wrote last_seq = 0 for an item that never had one,
+    so the next owner resumed at from_seq=1 and an upstream numbering from 0 lost seq 0."""
+    async def main() -> None:
+        async with clients(cfg) as c:
+            leases = store(c.dynamodb, cfg)
+            await c.dynamodb.put_item(TableName=cfg.aws.connections_table, Item={
+                "connection_id": {"S": "n"}, "desired_state": {"S": STARTED}, "ws_url": {"S": "ws://h/n"},
+                "lease_expires_at_ms": {"N": "0"}})
+            won = await leases.claim("n", "t/0/s")
+            assert won.item is not None and won.item.last_seq == -1
+            assert await leases.release("n", "t/0/s", won.item.lease_epoch, -1) is Outcome.WON
+            item = await leases.get("n")
+            assert item is not None and item.last_seq == -1 and item.lease_owner == ""
 
     arun(main())
 
