@@ -86,6 +86,11 @@ class LeaseConfig:
         "A dead session that owns nothing is forgotten only this long after it died: a claim it sent "
         "just before dying can land one SDK retry window later, and only a listed session's items are "
         "found.  At least `aws_timeout_s` x `aws_max_attempts`.", default=60.0)
+    orphan_sweep_s: float = _doc(
+        "Interval between orphan sweeps: one of 16 segments of the `by_owner` index is read (keys only) and "
+        "items owned by a session that no longer exists are freed, those of a dead one taken over.  The "
+        "backstop for items no takeover found (a claim landing after its session was forgotten, index lag).  "
+        "0 disables.", default=300.0)
     renew_concurrency: int = _doc("Item mode: renewals in flight at once per shard.", default=64)
     claim_concurrency: int = _doc("Claims in flight at once per shard during reconcile.", default=32)
     clock_offset_ms: int = _doc(
@@ -119,6 +124,12 @@ class UpstreamConfig:
     resume_param: str = _doc("Query parameter carrying the first seq wanted on reconnect.", default="from_seq")
     resume: bool = _doc("Append the resume parameter when reconnecting with a known `last_seq`.", default=True)
     max_frame_bytes: int = _doc("Largest upstream frame accepted; larger ones are rejected.", default=350_000)
+    max_seq_jump: int = _doc(
+        "Largest plausible move of an upstream `seq`: a frame more than this above the last seq received "
+        "(a jump) or below it (a reset), or a resumed stream starting over at 0 or 1, is held back and the "
+        "stream resumes; the jump is accepted, or the reset parks the stream, only if the upstream repeats "
+        "it on that fresh resume.  0 disables the check (every jump a gap, every lower seq a duplicate).",
+        default=10_000)
     backoff_min_s: float = _doc("First reconnect delay (jittered, doubled up to the max).", default=0.5)
     backoff_max_s: float = _doc("Largest reconnect delay.", default=30.0)
     handshake_timeout_s: float = _doc("WebSocket handshake timeout.", default=5.0)
@@ -336,6 +347,7 @@ def _checks(cfg: Config) -> Iterator[tuple[bool, str]]:
     )
     yield 0 <= le.reconcile_jitter < 1, f"reconcile_jitter must be in [0, 1) (got {le.reconcile_jitter})"
     yield le.rebalance_s >= 0, f"rebalance_s must be >= 0 (got {le.rebalance_s})"
+    yield le.orphan_sweep_s >= 0, f"orphan_sweep_s must be >= 0 (got {le.orphan_sweep_s})"
     yield 0 < le.rebalance_tolerance < 1, f"rebalance_tolerance must be in (0, 1) (got {le.rebalance_tolerance})"
     yield le.rebalance_max_moves >= 1, "rebalance_max_moves must be >= 1"
     yield le.renew_concurrency >= 1, "renew_concurrency must be >= 1"
@@ -355,6 +367,7 @@ def _checks(cfg: Config) -> Iterator[tuple[bool, str]]:
     bad = [s for s in up.allowed_schemes if s not in ("ws", "wss")]
     yield not bad, f"allowed_schemes may contain only ws and wss (got {','.join(bad)})"
     yield up.max_frame_bytes > 0, "max_frame_bytes must be > 0"
+    yield up.max_seq_jump >= 0, f"max_seq_jump must be >= 0 (got {up.max_seq_jump})"
     yield 0 < up.backoff_min_s <= up.backoff_max_s, "need 0 < backoff_min_s <= backoff_max_s"
     yield up.handshake_timeout_s > 0 and up.ping_idle_s > 0 and up.ping_reply_s > 0, (
         "handshake_timeout_s, ping_idle_s and ping_reply_s must be > 0"

@@ -329,6 +329,24 @@ class LeaseStore:
             limit, TableName=self.conns, IndexName=OWNER_INDEX,
             KeyConditionExpression="lease_owner = :o", ExpressionAttributeValues={":o": _s(owner)})]
 
+    async def owned(self, segment: int, segments: int, limit: int) -> list[tuple[str, str]]:
+        """(connection id, owner) of up to ``limit`` owned items in one segment of ``by_owner``: a scan of
+        the (keys only) index, the orphan sweep's read; its cost is the segment's size, not the table's."""
+        out: list[tuple[str, str]] = []
+        start: dict[str, Any] | None = None
+        while len(out) < limit:
+            kwargs: dict[str, Any] = {"TableName": self.conns, "IndexName": OWNER_INDEX, "Segment": segment,
+                                      "TotalSegments": segments, "Limit": min(1000, limit - len(out))}
+            if start:
+                kwargs["ExclusiveStartKey"] = start
+            resp = await self._call("Scan", **kwargs)
+            out += [(k["connection_id"]["S"], k["lease_owner"]["S"]) for k in resp.get("Items", [])
+                    if "lease_owner" in k]
+            start = resp.get("LastEvaluatedKey")
+            if not start:
+                break
+        return out
+
     async def _query(self, limit: int, **kwargs: Any) -> AsyncIterator[dict[str, Any]]:
         """Yield up to ``limit`` keys over every page of a query."""
         start: dict[str, Any] | None = None

@@ -58,6 +58,8 @@ _UNCLAIMABLE_RETRY_S = 300.0
 REBALANCE_SAMPLE = 10
 RECEIVE_POLL_S = 1.0  # a shard below its share looks this often for streams handed to it
 POLL_GRACE_S = 1.0  # a hint poll still open when the shard has stopped may answer this long
+ORPHAN_SEGMENTS = 16  # an orphan sweep reads one of this many segments of `by_owner`
+ORPHAN_SWEEP_MAX = 5000  # keys one sweep reads at most (its cost bound)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +179,7 @@ class Shard:
         self.claiming: set[str] = set()
         self.unclaimable: dict[str, float] = {}  # connection id → monotonic time it may be tried again
         self.receiving_until = 0.0  # below our share until then: watch for streams handed to us
+        self.orphan_segment = random.randrange(ORPHAN_SEGMENTS)  # the segment of `by_owner` swept last
         self.announced: set[str] = set()  # dead sessions named by DEAD_SESSION hints, taken over first
         self.session = SessionState()
         self.capacity = cfg.runtime.max_connections_per_shard
@@ -218,6 +221,7 @@ class Shard:
             async with asyncio.TaskGroup() as tg:
                 for loop in (self._heartbeat_loop, self._items_loop, self._fence_loop, self._reconcile_loop,
                              self._hints_loop, self._desired_loop, self._checkpoint_loop, self._report_loop,
+                             self._orphan_loop,
                              *self._rebalance_loops()):
                     tg.create_task(loop(), name=loop.__name__)
                 tg.create_task(self.sink.run(self.sink_ddb, self.stopping), name="sink")
@@ -682,6 +686,52 @@ class Shard:
         if await self.leases.items_of(dead, limit=1) or not self.leases.past_grace(death.dead_at_ms):
             return False  # keep looking until no late claim of the dead session can land
         return await self.leases.delete_dead_session(dead) in (Outcome.WON, Outcome.LOST)  # LOST: a peer did
+
+    async def _orphan_loop(self) -> None:
+        """The backstop for items owned by a session nobody lists any more (see ``_sweep_orphans``)."""
+        assert self.stopping is not None
+        period = self.cfg.lease.orphan_sweep_s
+        if period <= 0:
+            return
+        while not await _wait(self.stopping, period * random.uniform(0.5, 1.5)):
+            if not self._may_claim():
+                continue
+            try:
+                await self._sweep_orphans()
+            except Exception as e:
+                self.stats.inc("orphan_sweep_errors_total")
+                log.warning("orphan sweep failed", extra={"error": f"{type(e).__name__}: {e}"})
+
+    async def _sweep_orphans(self) -> None:
+        """Read one random segment of ``by_owner`` and settle every owner that is not alive: a session
+        that no longer exists streams nothing (it was forgotten only after its tombstone and grace,
+        and claims are made only under a session that exists), so its items are freed and hinted; a
+        dead one is taken over through the normal path.  Owners are judged by a consistent read."""
+        me = self.session.session_id
+        by_owner: dict[str, list[str]] = {}
+        self.orphan_segment = (self.orphan_segment + 1) % ORPHAN_SEGMENTS  # the whole index every 16 sweeps
+        for cid, owner in await self.leases.owned(self.orphan_segment, ORPHAN_SEGMENTS, ORPHAN_SWEEP_MAX):
+            if owner != me:
+                by_owner.setdefault(owner, []).append(cid)
+        for owner, ids in by_owner.items():
+            fate = (await self.leases.fate(owner)).fate
+            if fate is Fate.DEAD and owner not in self.session.previous:
+                self.announced.add(owner)
+                self._wake()
+            elif fate is Fate.GONE:
+                await self._free_orphans(owner, ids)
+
+    async def _free_orphans(self, owner: str, ids: list[str]) -> None:
+        outcomes = await _bounded(ids, self.cfg.lease.claim_concurrency, lambda cid: self.leases.disown(cid, owner))
+        freed = [cid for cid, o in zip(ids, outcomes, strict=True) if o is Outcome.WON]
+        if freed:
+            self.stats.inc("orphans_freed_total", float(len(freed)))
+            log.warning("freed items of a session that no longer exists", extra={"owner": owner, "count": len(freed)})
+            await self.hints.send_start(freed)
+
+    def _wake(self) -> None:
+        if self.wake_reconcile is not None:
+            self.wake_reconcile.set()
 
     async def _adopt_own_strays(self, source: str = "reconcile") -> None:
         """Items owned by our session that we do not hold: handed to us by a peer (rebalancing), or an
