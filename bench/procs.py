@@ -21,6 +21,7 @@ import boto3
 import orjson
 
 from fleetd.devstack import spawn, terminate
+from fleetd.items import new_item
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float, interval_s: float = 0.1, what: str = "") -> Any:
@@ -39,11 +40,11 @@ class UpstreamProc:
     """``python -m bench.upstream`` with its HTTP control port."""
 
     def __init__(self, log_dir: Path, rate: float = 5.0, size: int = 120, port: int = 0,
-                 name: str = "upstream") -> None:
+                 name: str = "upstream", first_seq: int = 1) -> None:
         out = log_dir / f"{name}.out"
         out.unlink(missing_ok=True)  # a stale file from an earlier run would announce a dead port
         self.proc = spawn([sys.executable, "-m", "bench.upstream", "--port", str(port), "--rate", str(rate),
-                           "--size", str(size), "--control-port", "0"], out)
+                           "--size", str(size), "--control-port", "0", "--first-seq", str(first_seq)], out)
         lines = wait_for(lambda: _listening(out), 20, what="fake upstream to listen")
         self.control = lines["control"]
         self.ws = lines["listening"]
@@ -121,13 +122,13 @@ def ddb() -> Any:
 
 
 def seed_items(table: str, urls: dict[str, str]) -> None:
-    """Write free STARTED items exactly as ``fleetd ctl start`` does (without hints), fast."""
+    """Write free STARTED items exactly as ``fleetd ctl start`` creates them (without hints), fast.
+
+    A PutItem: meant for ids that do not exist yet (it would overwrite an item's lease and ``last_seq``).
+    """
     client = ddb()
-    now = str(int(time.time() * 1000))
-    items = [{"PutRequest": {"Item": {
-        "connection_id": {"S": cid}, "desired_state": {"S": "STARTED"}, "ws_url": {"S": url},
-        "lease_expires_at_ms": {"N": "0"}, "lease_epoch": {"N": "0"}, "last_seq": {"N": "0"},
-        "created_at_ms": {"N": now}, "updated_at_ms": {"N": now}}}} for cid, url in urls.items()]
+    now = int(time.time() * 1000)
+    items = [{"PutRequest": {"Item": new_item(cid, url, now)}} for cid, url in urls.items()]
     for i in range(0, len(items), 25):
         batch = {table: items[i:i + 25]}
         while batch:

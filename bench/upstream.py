@@ -12,6 +12,14 @@ to send and 20,000 mostly idle streams cost next to nothing.  Each client's due 
 single buffer and written with one transport write: picows sending one frame per call tops out near
 0.2 M frames/s (NOTES.md), raw batched writes go well beyond that.
 
+Numbering: frame ``n`` (1, 2, 3 …, the stream's own index) carries ``seq = n + first_seq - 1``, so
+``first_seq=0`` gives an upstream numbered from 0; ``?from_seq=`` is read in that numbering.  Two
+sequence anomalies can be staged on a live stream: :meth:`FakeUpstream.skip` (the upstream really skips
+seqs: later frames, live and replayed, are numbered higher, and a resume inside the skipped range starts
+at the first frame after it) and :meth:`FakeUpstream.restart_numbering` (a restarted upstream: later frames
+are numbered from ``first_seq`` again, and it knows nothing of its old numbering, so a ``from_seq`` it has
+not reached yet starts the client at its new first frame).
+
 Chaos hooks for tests: :meth:`FakeUpstream.drop_all`, :meth:`~FakeUpstream.set_stall`,
 :meth:`~FakeUpstream.refuse`, :meth:`~FakeUpstream.hold_close`, :meth:`~FakeUpstream.inject`,
 :meth:`~FakeUpstream.stop_stream`, and for
@@ -116,17 +124,26 @@ class _Stream:
         "connections",
         "created_mono",
         "created_ms",
+        "first_seq",
         "from_seqs",
         "max_concurrent",
         "period_ms",
         "rate",
         "refused",
+        "renumber_at",
+        "renumber_to",
+        "restarted",
         "sent",
         "sid",
     )
 
-    def __init__(self, sid: str, rate: float, age_s: float) -> None:
+    def __init__(self, sid: str, rate: float, age_s: float, first_seq: int = 1) -> None:
         self.sid = sid
+        self.first_seq = first_seq
+        # One renumbering at most: frames after index ``renumber_at`` are numbered from ``renumber_to``.
+        self.renumber_at: int | None = None
+        self.renumber_to = 0
+        self.restarted = False  # the renumbering is a restart (numbering from first_seq again), not a skip
         self.rate = rate
         self.created_mono = time.monotonic() - age_s
         self.created_ms = time.time() * 1000.0 - age_s * 1000.0
@@ -150,6 +167,26 @@ class _Stream:
 
     def ts_ms(self, seq: int) -> int:
         return int(self.created_ms + seq * self.period_ms)
+
+    def wire_seq(self, n: int) -> int:
+        """The ``seq`` frame ``n`` carries."""
+        if self.renumber_at is None or n <= self.renumber_at:
+            return n + self.first_seq - 1
+        return self.renumber_to + n - self.renumber_at - 1
+
+    def index_of(self, from_seq: int, now: float) -> int:
+        """Index of the first frame for a client asking ``?from_seq=`` (see the module docstring)."""
+        n0 = self.renumber_at
+        if n0 is None:
+            return max(1, from_seq - self.first_seq + 1)
+        if self.restarted:
+            n = n0 + 1 + from_seq - self.renumber_to
+            return n if n0 < n <= self.produced_at(now) + 1 else n0 + 1
+        if from_seq >= self.renumber_to:
+            return n0 + 1 + from_seq - self.renumber_to
+        if from_seq > self.wire_seq(n0):
+            return n0 + 1  # inside the skipped range: the next frame that exists
+        return max(1, from_seq - self.first_seq + 1)
 
 
 class _Client(WSListener):
@@ -223,9 +260,11 @@ class FakeUpstream:
         oversize_bytes: int = 1 << 20,
         stalled: bool = False,
         refusing: bool = False,
+        first_seq: int = 1,
     ) -> None:
-        if rate < 0 or keep < 1 or tick_ms <= 0:
-            raise ValueError("rate must be >= 0, keep >= 1, tick_ms > 0")
+        if rate < 0 or keep < 1 or tick_ms <= 0 or first_seq < 0:
+            raise ValueError("rate must be >= 0, keep >= 1, tick_ms > 0, first_seq >= 0")
+        self.first_seq = first_seq
         self.host = host
         self.port = port
         self.rate = rate
@@ -302,18 +341,40 @@ class FakeUpstream:
         """
         if stream_id in self._streams:
             return False
-        self._streams[stream_id] = _Stream(stream_id, self.rate if rate is None else rate, age_s)
+        self._streams[stream_id] = _Stream(stream_id, self.rate if rate is None else rate, age_s, self.first_seq)
         return True
 
     def produced(self, stream_id: str) -> int:
-        """Highest seq produced so far (0 for an unknown stream)."""
+        """Frames produced so far (0 for an unknown stream); the highest seq when numbering starts at 1."""
         stream = self._streams.get(stream_id)
         return stream.produced_at(time.monotonic()) if stream is not None else 0
 
-    def frame(self, stream_id: str, seq: int) -> bytes:
-        """Exact payload of frame ``seq`` (what a client received or will receive)."""
+    def frame(self, stream_id: str, n: int) -> bytes:
+        """Exact payload of frame ``n`` (what a client received or will receive)."""
         stream = self._streams[stream_id]
-        return make_payload(seq, stream.ts_ms(seq), self.size)
+        return make_payload(stream.wire_seq(n), stream.ts_ms(n), self.size)
+
+    def skip(self, stream_id: str, delta: int) -> None:
+        """From the next frame on, number ``stream_id``'s frames ``delta`` higher: a real gap, replayed as such."""
+        stream = self._renumbered(stream_id)
+        stream.renumber_to = stream.wire_seq(stream.renumber_at or 0) + 1 + delta
+
+    def restart_numbering(self, stream_id: str) -> None:
+        """From the next frame on, number ``stream_id``'s frames from ``first_seq`` again (a restarted upstream)."""
+        stream = self._renumbered(stream_id)
+        stream.renumber_to = stream.first_seq
+        stream.restarted = True
+
+    def _renumbered(self, stream_id: str) -> _Stream:
+        stream = self._streams[stream_id]
+        if stream.renumber_at is not None:
+            raise ValueError(f"stream {stream_id!r} was renumbered already")
+        now = time.monotonic()
+        for client in stream.clients:  # frames due before the change go out under the old numbering
+            if not self.stalled:
+                self._write_due(client, now)
+        stream.renumber_at = stream.produced_at(now)
+        return stream
 
     def stats(self) -> dict[str, dict[str, Any]]:
         now = time.monotonic()
@@ -580,20 +641,20 @@ class FakeUpstream:
         parts: list[bytes] = []
         append = parts.append
         for seq in range(first, last + 1):
-            payload = make_payload(seq, stream.ts_ms(seq), size)
+            payload = make_payload(stream.wire_seq(seq), stream.ts_ms(seq), size)
             append(ws_frame_header(len(payload)))
             append(payload)
         return b"".join(parts)
 
 
 def _start_seq(stream: _Stream, created: bool, from_seq: int | None) -> int:
-    """First seq for a new client.
+    """Index of the first frame for a new client.
 
     Decided at request time, not at on_ws_connected, so a frame produced during the handshake is not lost to
-    a live-tail client; a stream born with this very request is delivered from seq 1.
+    a live-tail client; a stream born with this very request is delivered from its first frame.
     """
     if from_seq is not None:
-        return max(1, from_seq)
+        return stream.index_of(from_seq, time.monotonic())
     return 1 if created else stream.produced_at(time.monotonic()) + 1
 
 
@@ -778,6 +839,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", type=int, default=10_000, help="frames kept for replay per stream")
     p.add_argument("--tick-ms", type=int, default=20)
     p.add_argument("--oversize-bytes", type=int, default=1 << 20)
+    p.add_argument("--first-seq", type=int, default=1, help="seq of every stream's first frame (0 or 1)")
     p.add_argument("--stats-file", type=Path, help="JSON stats written every second and on exit")
     p.add_argument("--control-port", type=int, help="HTTP control endpoint port (0 picks a free port)")
     p.add_argument("--log-level", default="WARNING")
@@ -808,7 +870,7 @@ def _raise_nofile_limit() -> None:
 
 async def serve(args: argparse.Namespace) -> None:
     """Run until SIGTERM/SIGINT."""
-    up = FakeUpstream(args.host, args.port, args.rate, args.size, args.keep, args.tick_ms)
+    up = FakeUpstream(args.host, args.port, args.rate, args.size, args.keep, args.tick_ms, first_seq=args.first_seq)
     up.oversize_bytes = args.oversize_bytes
     await up.start()
     stop = asyncio.Event()

@@ -34,7 +34,7 @@ from urllib.parse import SplitResult, urlsplit, urlunsplit
 import orjson
 from botocore.exceptions import BotoCoreError, ClientError
 
-from fleetd import config, exits
+from fleetd import config, exits, items
 from fleetd.aws import Clients, error_code, open_clients
 from fleetd.clock import Clock, SystemClock
 from fleetd.config import Config, UpstreamConfig
@@ -333,26 +333,11 @@ async def _start(ctx: _Ctx, args: argparse.Namespace) -> int:
 
 
 async def _upsert_started(ctx: _Ctx, cid: str, url: str) -> dict[str, Any] | None:
-    """Write STARTED and the URL; keep owner, epoch and last_seq of an existing item.
-
-    ``lease_expires_at_ms`` must exist (0 = free) on a new item: ``by_state_expiry``
-    is sparse, and an item without its range key is invisible to every shard.
-    """
-    now = ctx.clock.now_ms()
+    """Write STARTED and the URL (:func:`fleetd.items.start_update`); returns the item before, if any."""
     table = ctx.cfg.aws.connections_table
     with _aws_errors("UpdateItem", f"table {table}"):
         resp = await ctx.clients.dynamodb.update_item(
-            TableName=table,
-            Key={"connection_id": _s(cid)},
-            UpdateExpression="SET desired_state = :started, ws_url = :url, updated_at_ms = :now, "
-                             "created_at_ms = if_not_exists(created_at_ms, :now), "
-                             "lease_expires_at_ms = if_not_exists(lease_expires_at_ms, :zero), "
-                             "lease_epoch = if_not_exists(lease_epoch, :zero), "
-                             "last_seq = if_not_exists(last_seq, :zero)",
-            ExpressionAttributeValues={":started": _s(STARTED), ":url": _s(url), ":now": _n(now),
-                                       ":zero": _n(0)},
-            ReturnValues="ALL_OLD",
-        )
+            **items.start_update(table, cid, url, ctx.clock.now_ms()), ReturnValues="ALL_OLD")
     old = resp.get("Attributes")
     return dict(old) if old else None
 
@@ -438,7 +423,7 @@ def _ls_row(item: ConnItem, now_ms: int) -> dict[str, Any]:
     return {"connection_id": item.connection_id, "desired_state": item.desired_state, "ws_url": item.ws_url,
             "lease_owner": item.lease_owner or None, "lease": lease, "expires_in_s": left,
             "lease_expires_at_ms": item.lease_expires_at_ms, "lease_epoch": item.lease_epoch,
-            "last_seq": item.last_seq}
+            "last_seq": item.last_seq if item.last_seq >= 0 else None}  # None: nothing written yet
 
 
 def _expires_cell(row: dict[str, Any]) -> str:

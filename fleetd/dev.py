@@ -34,7 +34,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from fleetd import config, exits
+from fleetd import config, exits, items
 from fleetd.config import Config
 from fleetd.devstack import DevStack, DevStackError, free_port, spawn, terminate
 
@@ -253,18 +253,8 @@ async def start_connections(cfg: Config, urls: dict[str, str]) -> None:
 
 
 async def upsert_started(ddb: Any, cfg: Config, cid: str, url: str) -> None:
-    """The item ``ctl start`` writes: ``lease_expires_at_ms`` must exist, or ``by_state_expiry`` never shows it."""
-    now = {"N": str(int(time.time() * 1000))}
-    await ddb.update_item(
-        TableName=cfg.aws.connections_table,
-        Key={"connection_id": {"S": cid}},
-        UpdateExpression="SET desired_state = :started, ws_url = :url, updated_at_ms = :now, "
-                         "created_at_ms = if_not_exists(created_at_ms, :now), "
-                         "lease_expires_at_ms = if_not_exists(lease_expires_at_ms, :zero), "
-                         "lease_epoch = if_not_exists(lease_epoch, :zero)",
-        ExpressionAttributeValues={":started": {"S": "STARTED"}, ":url": {"S": url}, ":now": now,
-                                   ":zero": {"N": "0"}},
-    )
+    """The item ``ctl start`` writes (:mod:`fleetd.items`)."""
+    await ddb.update_item(**items.start_update(cfg.aws.connections_table, cid, url, int(time.time() * 1000)))
 
 
 # ----- the command --------------------------------------------------------------------------------------

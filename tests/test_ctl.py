@@ -11,7 +11,8 @@ from typing import Any
 import orjson
 import pytest
 
-from fleetd import cli, exits
+from bench import procs
+from fleetd import cli, dev, exits
 from fleetd.clock import SystemClock
 from fleetd.config import Config, UpstreamConfig, as_env
 from fleetd.ctl import MAX_ID_BYTES, validate_id, validate_url
@@ -110,7 +111,9 @@ def test_start_writes_a_free_item_that_the_sparse_index_shows(ctl_env: Config,
     assert item["ws_url"] == {"S": "wss://feed.example.com/stream?x=1"}
     # The acceptance point: without lease_expires_at_ms = 0 the by_state_expiry GSI never lists it.
     assert item["lease_expires_at_ms"] == {"N": "0"}
-    assert item["lease_epoch"] == {"N": "0"} and item["last_seq"] == {"N": "0"}
+    assert item["lease_epoch"] == {"N": "0"}
+    # Nothing written yet, so no resume point: the first connect sends no from_seq (SPEC §5, seq 0 kept).
+    assert "last_seq" not in item
     assert item["created_at_ms"] == item["updated_at_ms"]
     assert "lease_owner" not in item
 
@@ -119,6 +122,38 @@ def test_start_writes_a_free_item_that_the_sparse_index_shows(ctl_env: Config,
             return await leases(c, cfg).free_items(100)
 
     assert arun(free()) == ["conn-1"]
+
+
+def test_restart_of_an_item_with_a_checkpoint_keeps_it(ctl_env: Config,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """An item that did write keeps its own last_seq, 0 included: ``start`` never adds or resets one."""
+    for cid, seq in (("zero", 0), ("many", 12345)):
+        assert fleetd(capsys, "ctl", "start", cid, "wss://a.example.com/")[0] == exits.OK
+        claim(ctl_env, cid, f"task-1/0/{cid}", last_seq=seq)
+        assert fleetd(capsys, "ctl", "start", cid, "wss://a.example.com/")[0] == exits.OK
+        item = ddb_item(ctl_env, cid)
+        assert item is not None and item["last_seq"] == {"N": str(seq)}
+
+
+def test_dev_and_bench_seeding_write_the_item_ctl_start_writes(ctl_env: Config,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Three writers of a new item (ctl, ``fleetd dev``, the benchmarks' seeding), one item."""
+    assert fleetd(capsys, "ctl", "start", "by-ctl", "wss://feed.example.com/")[0] == exits.OK
+
+    async def dev_start() -> None:
+        async with clients(ctl_env) as c:
+            await dev.upsert_started(c.dynamodb, ctl_env, "by-dev", "wss://feed.example.com/")
+
+    arun(dev_start())
+    procs.seed_items(ctl_env.aws.connections_table, {"by-bench": "wss://feed.example.com/"})
+    times = {"connection_id", "created_at_ms", "updated_at_ms"}
+    shapes = []
+    for cid in ("by-ctl", "by-dev", "by-bench"):
+        item = ddb_item(ctl_env, cid)
+        assert item is not None
+        assert "last_seq" not in item, f"{cid} was created with a resume point"
+        shapes.append({k: v for k, v in item.items() if k not in times})
+    assert shapes[0] == shapes[1] == shapes[2]
 
 
 def test_start_sends_a_start_hint(ctl_env: Config, capsys: pytest.CaptureFixture[str]) -> None:
@@ -259,12 +294,13 @@ def test_ls_shows_lease_state_and_ownership(ctl_env: Config, capsys: pytest.Capt
     assert owned["lease_expires_at_ms"] == HELD_BY_SESSION
     assert free["lease_owner"] is None and free["lease"] == "free" and free["lease_expires_at_ms"] == 0
     assert free["ws_url"] == "wss://feed.example.com/b-free"
+    assert free["last_seq"] is None, "no checkpoint yet"
 
     code, out, _ = fleetd(capsys, "ctl", "ls")
     lines = out.splitlines()
     assert lines[0].split() == ["ID", "STATE", "OWNER", "EXPIRES", "EPOCH", "LAST_SEQ"]
     assert lines[1].split() == ["a-owned", STARTED, "task-1/0/n1", "session", "1", "7"]
-    assert lines[2].split() == ["b-free", STARTED, "-", "-", "0", "0"]
+    assert lines[2].split() == ["b-free", STARTED, "-", "-", "0", "-"]
 
 
 def test_ls_pages_through_the_whole_table(ctl_env: Config, capsys: pytest.CaptureFixture[str]) -> None:
@@ -294,7 +330,7 @@ def test_show_prints_every_attribute(ctl_env: Config, capsys: pytest.CaptureFixt
     assert item["connection_id"] == "sh" and item["desired_state"] == STARTED
     assert item["lease_owner"] == "task-1/0/n2" and item["lease_epoch"] == 1
     assert item["lease_expires_at_ms"] == HELD_BY_SESSION
-    assert {"ws_url", "last_seq", "created_at_ms", "updated_at_ms"} <= set(item)
+    assert {"ws_url", "created_at_ms", "updated_at_ms"} <= set(item)
 
     code, out, _ = fleetd(capsys, "ctl", "show", "sh")
     assert code == exits.OK

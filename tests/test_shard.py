@@ -129,6 +129,30 @@ def test_200_connections_started_with_ctl_all_stream_without_loss(
         stop_all(shard)
 
 
+def test_a_new_item_whose_upstream_counts_from_0_has_seq_0_written(
+        cfg: Config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ctl start`` leaves no resume point, so the first connect sends no from_seq and seq 0 is kept."""
+    for key, value in config.as_env(cfg).items():
+        monkeypatch.setenv(key, value)
+    up = UpstreamProc(tmp_path, rate=10.0, name="upstream-from-0", first_seq=0)
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["ctl", "start", "from-0", up.url("from-0")])
+        assert exit_info.value.code == 0
+        st = ShardThread(fast(cfg))
+        try:
+            wait_for(lambda: len(audit(cfg, ["from-0"]).seqs.get("from-0", ())) >= 10, 20, 0.2, "10 frames written")
+        finally:
+            assert st.stop() == 0
+        stream = up.stats()["from-0"]
+    finally:
+        up.stop()
+    seqs = sorted(audit(cfg, ["from-0"]).seqs["from-0"])
+    assert seqs[0] == 0, f"seq 0 lost: first connect asked from_seq={stream['from_seqs'][:1]}"
+    assert seqs == list(range(len(seqs)))
+    assert len(stream["from_seqs"]) < stream["connections"], "the first connect sent a from_seq"
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_sigkill_one_of_two_shards_peer_takes_all(
         cfg: Config, upstream: UpstreamProc, tmp_path: Path, mode: str) -> None:
