@@ -1,0 +1,171 @@
+"""Virtual time: one asyncio event loop per simulated process, stepped by a master scheduler.
+
+Model
+-----
+* :class:`VirtualTime` is the one true timeline (seconds, float).  Nothing in the
+  simulation reads a real clock.
+* :class:`VirtualLoop` is an asyncio event loop whose ``time()`` is the virtual time
+  and whose selector never blocks and never has I/O to report: callbacks and timers
+  are all there is.  A loop is advanced by :meth:`VirtualLoop.step`, one
+  ``_run_once`` with the loop installed as the running loop.
+* :class:`Scheduler` owns the loops and a heap of *world events* (the network and
+  the services, which belong to no process).  It runs every loop that has ready
+  callbacks or due timers, in a fixed order, until all are idle at the current
+  instant; then it advances virtual time to the earliest timer of a steppable loop
+  or world event.  Running code takes no virtual time.
+* A paused process (SIGSTOP) is simply not stepped; a crashed one (SIGKILL) is never
+  stepped again.  Callbacks scheduled onto them meanwhile stay queued (or are lost).
+
+CPython assumption (pinned by ``tests/sim/test_sim.py::test_private_loop_api``): the
+private ``asyncio.BaseEventLoop._run_once``, ``_ready``, ``_scheduled`` and
+``asyncio.events._set_running_loop`` of CPython 3.11 behave as documented in its
+source.  No asyncgen hooks are installed (fleetd's async generators are always
+exhausted), and no self-pipe exists (there are no other threads).
+
+Not modelled: CPU time (a callback takes zero virtual time), thread pools, signals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+from asyncio import events
+from collections.abc import Callable
+from typing import Any
+
+# asyncio's default (clock resolution) is irrelevant here; timers fire at their exact virtual time.
+_EPS = 1e-9
+
+
+class VirtualTime:
+    """The shared virtual clock (seconds)."""
+
+    __slots__ = ("now",)
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = start
+
+
+class _NullSelector:
+    """A selector with nothing to select: every select returns at once, empty."""
+
+    def select(self, timeout: float | None = None) -> list[Any]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+class VirtualLoop(asyncio.BaseEventLoop):
+    """An event loop on virtual time with no I/O (see the module docstring)."""
+
+    def __init__(self, vt: VirtualTime, name: str) -> None:
+        super().__init__()
+        self._vt = vt
+        self._selector = _NullSelector()  # type: ignore[assignment]
+        self._clock_resolution = _EPS
+        self.name = name
+        self.errors: list[str] = []
+        self.set_exception_handler(self._on_error)
+
+    def time(self) -> float:
+        return self._vt.now
+
+    def _process_events(self, event_list: list[Any]) -> None:
+        pass
+
+    def _write_to_self(self) -> None:
+        pass
+
+    def _on_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        self.errors.append(f"{context.get('message')}: {type(exc).__name__ if exc else ''} {exc or ''}")
+
+    def next_due(self) -> float | None:
+        """When this loop next has work: now if callbacks are ready, else its earliest live timer."""
+        if self._ready:
+            return self._vt.now
+        sched = self._scheduled
+        while sched and sched[0]._cancelled:
+            heapq.heappop(sched)
+        return sched[0]._when if sched else None
+
+    def step(self) -> None:
+        """Run one iteration (ready callbacks and due timers) with this loop as the running loop."""
+        events._set_running_loop(self)
+        try:
+            self._run_once()  # type: ignore[attr-defined]
+        finally:
+            events._set_running_loop(None)
+
+    def close(self) -> None:
+        self._ready.clear()
+        self._scheduled.clear()
+        super().close()
+
+
+class Scheduler:
+    """Steps the processes' loops and runs world events in virtual-time order."""
+
+    def __init__(self, vt: VirtualTime) -> None:
+        self.vt = vt
+        self.loops: list[VirtualLoop] = []  # steppable now (running processes), in a fixed order
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self.before_advance: list[Callable[[], None]] = []  # run when every loop is idle at this instant
+        self.after_step: Callable[[VirtualLoop], None] | None = None
+        self.steps = 0
+
+    def at(self, when: float, fn: Callable[[], None]) -> None:
+        """Run the world event ``fn`` at virtual time ``when`` (never in the past)."""
+        heapq.heappush(self._heap, (max(when, self.vt.now), next(self._seq), fn))
+
+    def add(self, loop: VirtualLoop) -> None:
+        self.loops.append(loop)
+
+    def remove(self, loop: VirtualLoop) -> None:
+        if loop in self.loops:
+            self.loops.remove(loop)
+
+    def run_until(self, end: float) -> None:
+        vt = self.vt
+        while True:
+            if self._run_instant():
+                continue
+            for fn in self.before_advance:
+                fn()
+            nxt = self._next_time()
+            if nxt is None or nxt > end:
+                vt.now = max(vt.now, end)
+                return
+            vt.now = max(vt.now, nxt)
+            heap = self._heap
+            while heap and heap[0][0] <= vt.now:
+                heapq.heappop(heap)[2]()
+
+    def _run_instant(self) -> bool:
+        """Step every loop with work due now; True if any ran."""
+        now = self.vt.now + _EPS
+        ran = False
+        for loop in list(self.loops):
+            due = loop.next_due()
+            if due is not None and due <= now:
+                loop.step()
+                self.steps += 1
+                ran = True
+                if self.after_step is not None:
+                    self.after_step(loop)
+        heap = self._heap
+        while heap and heap[0][0] <= self.vt.now:
+            heapq.heappop(heap)[2]()
+            ran = True
+        return ran
+
+    def _next_time(self) -> float | None:
+        best = self._heap[0][0] if self._heap else None
+        for loop in self.loops:
+            due = loop.next_due()
+            if due is not None and (best is None or due < best):
+                best = due
+        return best
