@@ -75,6 +75,11 @@ REQUIRED: tuple[Family, ...] = (
     Family("upstream_frames_rejected_total", "counter", "Upstream frames rejected, by reason.",
            _sets("reason", "binary", "malformed", "noseq", "oversized")),
     Family("seq_gaps_total", "counter", "Jumps in upstream sequence numbers."),
+    Family("upstream_seq_anomalies_total", "counter",
+           "Implausible upstream seqs (beyond max_seq_jump, or a resume starting over), by kind: jump and reset "
+           "were held back and the stream resumed; jump_accepted and reset_parked: the resume repeated it, "
+           "so the jump became a gap, or the stream was parked until an operator acts.",
+           _sets("kind", "jump", "reset", "jump_accepted", "reset_parked")),
     Family("reconcile_claims_total", "counter", "Connections won by the reconcile loop."),
     Family("hint_claims_total", "counter", "Connections won through a START hint."),
     Family("hints_total", "counter", "Hint messages by kind (START ids received or sent, DEAD_SESSION received).",

@@ -8,7 +8,51 @@ and handed to the sink.  Bad frames are counted and logged, never fatal.
 
 Three ways out, chosen by the shard: :meth:`Connection.fence` (lease lost: drop
 the socket at once, write nothing more), :meth:`Connection.close` (stop or
-shutdown: polite CLOSE, bounded wait) and task cancellation.
+shutdown: polite CLOSE, bounded wait) and task cancellation.  A fourth, chosen by
+the stream itself: parking (below).
+
+Sequencing
+----------
+``last_received`` is the highest seq handed to the sink; ``None`` until the first
+frame of an item that never wrote anything.  Then no ``from_seq`` is sent and the
+first frame's seq is taken as it comes (numbering may start at 0, 1 or anywhere).
+
+* A frame with an integer seq in ``(last, last + max_seq_jump]`` is accepted; above
+  ``last + 1`` it is also counted as a gap (``seq_gaps_total``) and logged.
+* A seq ``<= last`` within ``max_seq_jump`` below it is a duplicate (a replay
+  overlap): dropped and counted (``upstream_duplicates_total``).
+* A frame without a seq in a stream that never carried one gets ``previous + 1``;
+  the first such frame of a fresh stream gets 1 (no previous counts as 0), so an
+  unsequenced stream is numbered 1, 2, 3 … as it always was.  In a sequenced stream
+  a frame without a seq is rejected (``noseq``).
+
+Sequence anomalies (``max_seq_jump``, default 10,000; 0 turns the policy off):
+
+* a **jump**: seq above ``last + max_seq_jump``;
+* a **reset**: seq below ``last - max_seq_jump``, or, on a connection that resumed
+  with ``from_seq``, a first new frame at 0 or 1 while ``last >= 2`` (the upstream
+  started its numbering over instead of resuming).
+
+An anomaly is never written at once.  The frame is held back (not submitted),
+counted as ``upstream_seq_anomalies_total{kind="jump"|"reset"}`` and logged, the
+socket is closed (1001) and the stream resumes from ``last + 1`` as after any
+drop; the rest of that socket's frames are ignored (the resume brings them
+again).  The fresh resume decides, by its first frame that is not a duplicate:
+
+* a normal frame: the anomaly was a one-off, forgotten; nothing was lost;
+* the same kind of anomaly again: the upstream means it.  A confirmed **jump** is
+  accepted as a gap (``kind="jump_accepted"`` plus ``seq_gaps_total``): the
+  upstream really skipped those seqs.  A confirmed **reset** parks the stream
+  (``kind="reset_parked"``, an error log): the socket is closed and not reopened,
+  nothing more is written, the lease stays held and ``last_seq`` stays at the last
+  message of the old numbering.  A new numbering cannot share the old one's keys:
+  the messages table is keyed (connection, seq) and the sink's cursor only moves
+  forward, so accepting it would overwrite old messages or drop new ones.  The
+  operator decides: stop the connection and start the new numbering under a new
+  connection id (or fix the upstream and start the item again).
+
+So a jump or a reset is only acted on after the upstream repeated it on a fresh
+resume, and nothing is ever dropped without a count and a log line.
 """
 
 from __future__ import annotations
@@ -74,6 +118,9 @@ class _Listener(WSListener):
         self.skipping = False  # inside a fragmented binary message (rejected once, continuations ignored)
         self.closed_oversized = False  # we closed with 1009 ourselves (and counted it)
         self.closed_protocol = False  # we answered an invalid CLOSE code with 1002 (and counted it)
+
+    def on_ws_connected(self, transport: WSTransport) -> None:
+        self.conn.on_connected(transport)
 
     def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
         mt = frame.msg_type
@@ -186,6 +233,10 @@ class Connection:
     """A leased upstream stream (see module docstring for the protocol)."""
 
     __slots__ = (
+        "_fresh",
+        "_hung_up",
+        "_resumed",
+        "_suspect",
         "_task",
         "_transport",
         "cfg",
@@ -197,6 +248,8 @@ class Connection:
         "cursor",
         "last_received",
         "max_frame_bytes",
+        "max_seq_jump",
+        "parked",
         "paused",
         "seq_field",
         "sequenced",
@@ -220,9 +273,15 @@ class Connection:
         self.clock = clock
         self.seq_field = cfg.seq_field
         self.max_frame_bytes = cfg.max_frame_bytes
+        self.max_seq_jump = cfg.max_seq_jump
         self.closing = False
         self.connected = False
         self.paused = False
+        self.parked = False  # a confirmed numbering reset: no reconnect, nothing more written
+        self._suspect: str | None = None  # anomaly ("jump" / "reset") that a fresh resume must confirm
+        self._fresh = True  # no new frame on this socket yet (duplicates do not count)
+        self._resumed = False  # this socket asked for from_seq
+        self._hung_up = False  # we closed this socket over an anomaly: ignore what it still delivers
         self._transport: WSTransport | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -268,7 +327,7 @@ class Connection:
 
     async def _run_loop(self) -> None:
         backoff = self.cfg.backoff_min_s
-        while not self.closing:
+        while not self.closing and not self.parked:
             started = self.clock.monotonic()
             try:
                 await self._stream_once()
@@ -276,7 +335,7 @@ class Connection:
                 raise
             except Exception as e:
                 self._log_failure(e)
-            if self.closing:
+            if self.closing or self.parked:
                 return
             if self.clock.monotonic() - started > _STABLE_S:
                 backoff = self.cfg.backoff_min_s
@@ -285,9 +344,12 @@ class Connection:
             backoff = min(backoff * 2, self.cfg.backoff_max_s)
 
     async def _stream_once(self) -> None:
+        url = self._connect_url()
+        self._resumed = url != self.url
+        self._fresh, self._hung_up = True, False
         transport, _ = await self.connect(
             lambda: _Listener(self),
-            self._connect_url(),
+            url,
             websocket_handshake_timeout=self.cfg.handshake_timeout_s,
             enable_auto_ping=True,
             auto_ping_idle_timeout=self.cfg.ping_idle_s,
@@ -297,6 +359,7 @@ class Connection:
             logger_name="upstream",
         )
         if self.closing:  # fenced or closed while the handshake was in flight
+            self._transport = None
             transport.disconnect(graceful=False)
             return
         self._transport = transport
@@ -324,8 +387,12 @@ class Connection:
 
     # ----- frames (picows callbacks, hot path) ----------------------------------------------------
 
+    def on_connected(self, transport: WSTransport) -> None:
+        """The handshake is done: frames may follow before ``connect`` returns to ``_stream_once``."""
+        self._transport = transport
+
     def on_text(self, payload: memoryview) -> None:
-        if self.closing:
+        if self.closing or self._hung_up:
             return
         if len(payload) > self.max_frame_bytes:
             self.reject("oversized")
@@ -350,23 +417,72 @@ class Connection:
             self.reject("noseq")
             return
         else:
-            seq = (self.last_received or 0) + 1  # SPEC §5: an unsequenced stream counts for itself
+            # SPEC §5: an unsequenced stream counts for itself, from 1 (module docstring).
+            seq = 1 if self.last_received is None else self.last_received + 1
         self.last_received = seq
         self.sink.submit(self.cursor, seq, bytes(payload), self.clock.now_ms())
         self.stats.messages += 1
 
     def _accept(self, seq: int) -> bool:
-        """Dedupe and gap accounting for a frame carrying ``seq``."""
+        """Dedupe, gap accounting and the anomaly policy for a frame carrying ``seq``."""
         self.sequenced = True
         last = self.last_received
         if last is None:
+            self._fresh = False
             return True
+        kind = self._anomaly(last, seq)
+        if kind is not None:
+            return self._anomalous(kind, last, seq)
         if seq <= last:
             self.stats.inc("upstream_duplicates_total")
             return False
+        self._fresh, self._suspect = False, None
         if seq > last + 1:
             self._gap(last, seq)
         return True
+
+    def _anomaly(self, last: int, seq: int) -> str | None:
+        """``"jump"``, ``"reset"`` or None (plausible) for ``seq`` after ``last``."""
+        limit = self.max_seq_jump
+        if limit == 0:
+            return None
+        if seq > last + limit:
+            return "jump"
+        if seq < last - limit or (self._fresh and self._resumed and seq <= 1 < last):
+            return "reset"
+        return None
+
+    def _anomalous(self, kind: str, last: int, seq: int) -> bool:
+        """Hold the frame back and resume, unless this fresh resume repeats the anomaly."""
+        if not (self._fresh and self._suspect == kind):
+            self._suspect = kind
+            self.stats.inc("upstream_seq_anomalies_total", kind=kind)
+            if _limiter.allow("anomaly:" + self.connection_id):
+                log.warning("sequence anomaly: frame held back, resuming to confirm",
+                            extra={"connection_id": self.connection_id, "kind": kind, "after": last, "got": seq})
+            self._hang_up()
+            return False
+        self._fresh, self._suspect = False, None
+        if kind == "jump":
+            self.stats.inc("upstream_seq_anomalies_total", kind="jump_accepted")
+            self._gap(last, seq)
+            return True
+        self.stats.inc("upstream_seq_anomalies_total", kind="reset_parked")
+        log.error("upstream numbering restarted on a fresh resume: stream parked; stop it and start the new "
+                  "numbering under a new connection id",
+                  extra={"connection_id": self.connection_id, "after": last, "got": seq})
+        self.parked = True
+        self._hang_up()
+        return False
+
+    def _hang_up(self) -> None:
+        """Close this socket (1001) and ignore what it still delivers; the run loop decides what follows."""
+        self._hung_up = True
+        tr = self._transport
+        if tr is not None and not tr.is_disconnected:
+            if not tr.is_close_frame_sent:
+                tr.send_close(WSCloseCode.GOING_AWAY)
+            tr.disconnect()
 
     def _gap(self, last: int, seq: int) -> None:
         self.stats.inc("seq_gaps_total")
