@@ -115,6 +115,7 @@ class Checker:
         self.durable: dict[str, set[int]] = {}
         self.contiguous: dict[str, int] = {}  # highest seq with every seq from first durable
         self.timelines: dict[str, Timeline] = {}
+        self._items: dict[str, dict[str, Any]] = {}
         self.trace: Callable[[str], None] | None = None
 
     def fail(self, name: str, detail: str) -> None:
@@ -180,12 +181,20 @@ class Checker:
                                          f"the item is {owner or '(free)'} epoch {cur_epoch}")
 
     def item(self, cid: str) -> dict[str, Any]:
-        resp = self.dynamo.handle("GetItem", {"TableName": self.conns_table, "ConsistentRead": True,
-                                              "Key": {"connection_id": {"S": cid}}})
-        return dict(resp.get("Item", {}))
+        """The connection item now (cached until a write to it is applied)."""
+        got = self._items.get(cid)
+        if got is None:
+            resp = self.dynamo.handle("GetItem", {"TableName": self.conns_table, "ConsistentRead": True,
+                                                  "Key": {"connection_id": {"S": cid}}})
+            got = self._items[cid] = dict(resp.get("Item", {}))
+        return got
 
     def on_apply(self, req: Request, resp: dict[str, Any] | Exception) -> None:
-        if isinstance(resp, Exception) or req.service != "dynamodb":
+        if req.service != "dynamodb":
+            return
+        if req.params.get("TableName") == self.conns_table and "Key" in req.params:
+            self._items.pop(req.params["Key"]["connection_id"]["S"], None)
+        if isinstance(resp, Exception):
             return
         if req.op == "BatchWriteItem":
             self._durable(req.params, resp)

@@ -92,12 +92,14 @@ class VirtualLoop(asyncio.BaseEventLoop):
         return sched[0]._when if sched else None
 
     def step(self) -> None:
-        """Run one iteration (ready callbacks and due timers) with this loop as the running loop."""
-        events._set_running_loop(self)
-        try:
-            self._run_once()  # type: ignore[attr-defined]
-        finally:
-            events._set_running_loop(None)
+        """Run one iteration (ready callbacks and due timers) with this loop as the running loop.
+
+        The running loop is left set afterwards (switched when another loop steps, cleared when
+        the scheduler returns): world events never ask for a running loop.
+        """
+        if events._get_running_loop() is not self:
+            events._set_running_loop(self)
+        self._run_once()  # type: ignore[attr-defined]
 
     def close(self) -> None:
         self._ready.clear()
@@ -114,7 +116,6 @@ class Scheduler:
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self.before_advance: list[Callable[[], None]] = []  # run when every loop is idle at this instant
-        self.after_step: Callable[[VirtualLoop], None] | None = None
         self.steps = 0
 
     def at(self, when: float, fn: Callable[[], None]) -> None:
@@ -129,10 +130,16 @@ class Scheduler:
             self.loops.remove(loop)
 
     def run_until(self, end: float) -> None:
+        try:
+            self._run_until(end)
+        finally:
+            events._set_running_loop(None)
+
+    def _run_until(self, end: float) -> None:
         vt = self.vt
+        heap = self._heap
         while True:
-            if self._run_instant():
-                continue
+            self._run_instant()
             for fn in self.before_advance:
                 fn()
             nxt = self._next_time()
@@ -140,32 +147,33 @@ class Scheduler:
                 vt.now = max(vt.now, end)
                 return
             vt.now = max(vt.now, nxt)
-            heap = self._heap
+
+    def _run_instant(self) -> None:
+        """Step the loops with work due now, and run the world events due now, until none is left."""
+        heap = self._heap
+        vt = self.vt
+        ran = True
+        while ran:
+            ran = False
+            now = vt.now + _EPS
+            for loop in tuple(self.loops):
+                sched = loop._scheduled  # type: ignore[attr-defined]
+                if loop._ready or (sched and sched[0]._when <= now):  # type: ignore[attr-defined]
+                    loop.step()
+                    self.steps += 1
+                    ran = True
             while heap and heap[0][0] <= vt.now:
                 heapq.heappop(heap)[2]()
-
-    def _run_instant(self) -> bool:
-        """Step every loop with work due now; True if any ran."""
-        now = self.vt.now + _EPS
-        ran = False
-        for loop in list(self.loops):
-            due = loop.next_due()
-            if due is not None and due <= now:
-                loop.step()
-                self.steps += 1
                 ran = True
-                if self.after_step is not None:
-                    self.after_step(loop)
-        heap = self._heap
-        while heap and heap[0][0] <= self.vt.now:
-            heapq.heappop(heap)[2]()
-            ran = True
-        return ran
 
     def _next_time(self) -> float | None:
         best = self._heap[0][0] if self._heap else None
         for loop in self.loops:
-            due = loop.next_due()
-            if due is not None and (best is None or due < best):
-                best = due
+            sched = loop._scheduled  # type: ignore[attr-defined]
+            while sched and sched[0]._cancelled:
+                heapq.heappop(sched)
+            if loop._ready:  # type: ignore[attr-defined]
+                return self.vt.now
+            if sched and (best is None or sched[0]._when < best):
+                best = sched[0]._when
         return best

@@ -35,6 +35,7 @@ in-flight requests always land); memory limits.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import math
@@ -124,41 +125,44 @@ class Params:
                 + aw.aws_timeout_s * aw.aws_max_attempts + up.backoff_max_s + 3.0)
 
 
-FAST = {"lease_ttl_s": 6.0, "heartbeat_s": 1.0, "safety_margin_s": 1.0, "reconcile_s": 1.0,
-        "desired_state_s": 1.0, "desired_sweep_s": 3.0, "checkpoint_s": 1.0, "checkpoint_idle_s": 2.0,
-        "dead_session_grace_s": 6.0, "aws_timeout_s": 2.0, "aws_max_attempts": 3, "hint_wait_s": 2,
-        "shutdown_budget_s": 5.0, "backoff_min_s": 0.2, "backoff_max_s": 2.0, "ping_idle_s": 2.0,
+FAST = {"lease_ttl_s": 4.0, "heartbeat_s": 1.0, "safety_margin_s": 1.0, "reconcile_s": 1.0,
+        "desired_state_s": 1.0, "desired_sweep_s": 3.0, "checkpoint_s": 1.0, "checkpoint_idle_s": 3.0,
+        "dead_session_grace_s": 3.0, "aws_timeout_s": 1.0, "aws_max_attempts": 3, "hint_wait_s": 2,
+        "shutdown_budget_s": 4.0, "backoff_min_s": 0.2, "backoff_max_s": 1.0, "ping_idle_s": 2.0,
         "ping_reply_s": 1.0, "handshake_timeout_s": 2.0}
+"""The CI profile: a TTL of 4 s keeps a whole failure-and-recovery story within ~25 virtual seconds."""
+MEDIUM = dict(FAST, lease_ttl_s=8.0, heartbeat_s=2.0, safety_margin_s=2.0, reconcile_s=2.0, desired_state_s=2.0,
+              desired_sweep_s=6.0, dead_session_grace_s=6.0, aws_timeout_s=2.0, backoff_max_s=2.0)
+DEFAULTS = {"backoff_max_s": 5.0, "hint_wait_s": 5}
+"""The long profile's other half: fleetd's default timings (TTL 20 s), faster upstream backoff only."""
 
 
 def build_config(rng: random.Random, long: bool) -> Config:
-    base = Config()
-    fast = rng.random() < (0.5 if long else 0.95)
-    changes: dict[str, Any] = dict(FAST) if fast else {"backoff_max_s": 5.0, "hint_wait_s": 5}
+    profile = rng.choices((FAST, MEDIUM, DEFAULTS), (0.4, 0.2, 0.4) if long else (0.85, 0.15, 0.0))[0]
+    changes: dict[str, Any] = dict(profile)
     changes["lease_mode"] = "item" if rng.random() < 0.2 else "session"
-    changes["rebalance_s"] = 0.0 if rng.random() < 0.4 else (3.0 if fast else 30.0)
-    changes["checkpoint_min_seqs"] = rng.choice((1, 3, 10, 100))
+    changes["rebalance_s"] = 0.0 if rng.random() < 0.4 else (30.0 if profile is DEFAULTS else 3.0)
+    changes["checkpoint_min_seqs"] = rng.choice((1, 5, 20, 100))
     changes["sink_linger_ms"] = rng.choice((10, 50))
-    return config.replace(base, **changes)
+    return config.replace(Config(), **changes)
 
 
 def build_params(seed: int, long: bool = False) -> Params:
     rng = random.Random(seed)
     cfg = build_config(rng, long)
-    tasks = rng.randint(1, 3)
-    spt = rng.randint(1, 2)
-    conns = rng.randint(3, 40 if long else 20)
-    faults_until = rng.uniform(240, 600) if long else rng.uniform(12, 25)
-    if cfg.lease.lease_ttl_s > 10 and not long:
-        faults_until += 20
+    tasks = rng.choices((1, 2, 3), (0.4, 0.45, 0.15))[0]
+    spt = rng.choices((1, 2), (0.6, 0.4))[0]
+    conns = rng.randint(3, 40 if long else 12)
+    ttl = cfg.lease.lease_ttl_s
+    faults_until = rng.uniform(240, 900) if long else rng.uniform(1.5, 3.5) * ttl
     margin_ms = cfg.lease.safety_margin_s * 1000
     n_shards = tasks * spt
     capacity = 700 if rng.random() < 0.7 else max(2, math.ceil(conns / max(1, n_shards - 1)) + rng.randint(0, 3))
-    cfg = config.replace(cfg, max_connections_per_shard=capacity)
+    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, max_connections_per_shard=capacity))
     p = Params(seed, long, cfg, tasks, spt, conns, faults_until, FaultMix.random(rng, faults_until),
                [int(rng.uniform(-0.5, 0.5) * margin_ms) for _ in range(64)])
     p.first_seqs = [rng.choice((0, 1)) for _ in range(conns + 64)]
-    p.rates = [rng.choice((0.2, 0.5, 1.0, 2.0)) * (0.25 if long else 1.0) for _ in range(conns + 64)]
+    p.rates = [rng.choice((0.2, 0.5, 1.0)) * (0.25 if long else 1.0) for _ in range(conns + 64)]
     p.index_lag_ms = (0, rng.choice((5, 100, 500, 1500)))
     p.events = random_events(rng, p)
     return p
@@ -171,7 +175,7 @@ EVENT_WEIGHTS = {"crash": 3, "term": 2, "pause": 2, "task_kill": 1, "ctl_stop": 
 def random_events(rng: random.Random, p: Params) -> list[Event]:
     kinds = list(EVENT_WEIGHTS)
     weights = [EVENT_WEIGHTS[k] for k in kinds]
-    n = rng.randint(0, 6) if not p.long else int(p.faults_until / rng.uniform(10, 40))
+    n = rng.randint(0, 5) if not p.long else int(p.faults_until / rng.uniform(10, 40))
     ttl = p.cfg.lease.lease_ttl_s
     events: list[Event] = []
     for _ in range(n):
@@ -250,6 +254,7 @@ class World:
         self.procs: list[Proc] = []
         self.tasks: list[TaskState] = []
         self.nonces = 0
+        self.shards_started = 0
         self.conn_ids: list[str] = []
         self.ctl: Proc | None = None
         self.end = START + p.faults_until + p.bound_s
@@ -319,7 +324,7 @@ class World:
 
     def _start_task(self, t: int) -> TaskState:
         task_id = f"t{t}"
-        cfg = config.replace(self.cfg, task_id=task_id)
+        cfg = dataclasses.replace(self.cfg, runtime=dataclasses.replace(self.cfg.runtime, task_id=task_id))
         sup = self._new_proc(f"{task_id}/sup", "supervisor")
         sup.clients = self._clients(sup, cfg)
         task = TaskState(task_id, cfg, sup)
@@ -334,7 +339,8 @@ class World:
             return None
         gen = sum(1 for p in self.procs if p.task is task and p.kind == "shard" and p.index == index)
         proc = self._new_proc(f"{task.task_id}/s{index}.{gen}", "shard", task, index)
-        skew = self.p.skews_ms[proc.order % len(self.p.skews_ms)]
+        self.shards_started += 1
+        skew = self.p.skews_ms[(self.shards_started - 1) % len(self.p.skews_ms)]
         clock = SimClock(self.vt, skew)
         proc.clients = self._clients(proc, task.cfg)
         clients = proc.clients

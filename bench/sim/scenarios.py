@@ -1,0 +1,151 @@
+"""Named scenarios: a seed's world with a forced schedule (``--scenario NAME``).
+
+A scenario is two small functions: ``tweak(params)`` changes what the seed chose
+before the world is built (timings, sizes, skews, the random events), and
+``setup(world)`` scripts the run: world events at fixed times (``world.sched.at``)
+and faults on specific requests (``world.net.rule(match, fault, times, delay_s)``,
+matched on :class:`~bench.sim.net.Request`: ``op``, ``table``, ``proc``, ``params``,
+``attempt``, ``sent_at``).  To add one, write the two functions and register them in
+``SCENARIOS``.
+
+Times are virtual seconds; ``START`` is the world's start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fleetd import config
+
+from bench.sim.net import FaultMix, Request
+from bench.sim.world import START, Params, World
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    doc: str
+    tweak: Callable[[Params], None] | None = None
+    setup: Callable[[World], None] | None = None
+
+
+def calm(p: Params) -> None:
+    """No request faults, no lifecycle events."""
+    p.mix = FaultMix(p.faults_until)
+    p.events = []
+
+
+def quiet(p: Params) -> None:
+    """Calm, and every feed numbered from 1 (keeps the seq-0 defect out of targeted scenarios)."""
+    calm(p)
+    p.first_seqs = [1] * len(p.first_seqs)
+
+
+def session_mode(p: Params, tasks: int = 2, spt: int = 1) -> None:
+    p.cfg = config.replace(p.cfg, lease_mode="session", rebalance_s=0.0, max_connections_per_shard=700)
+    p.tasks, p.shards_per_task = tasks, spt
+
+
+def _is(req: Request, op: str, table_suffix: str, proc_prefix: str) -> bool:
+    return req.op == op and req.table.endswith(table_suffix) and req.proc.startswith(proc_prefix)
+
+
+# ----- scenarios ------------------------------------------------------------------------------------------
+
+
+def _unsafe_skew(p: Params) -> None:
+    quiet(p)
+    session_mode(p)
+    margin_ms = int(p.cfg.lease.safety_margin_s * 1000)
+    ttl_ms = int(p.cfg.lease.lease_ttl_s * 1000)
+    p.skews_ms = [0, ttl_ms + 3 * margin_ms] * 32  # the second shard's clock runs far ahead: voids the guarantee
+    p.unsafe_skew = True
+
+
+def _corrupt_setup(w: World) -> None:
+    """Delete the two lowest durable messages of the busiest connection at the end of the fault window:
+    nothing writes them again (streams resume from what they received, not from the table)."""
+    def corrupt() -> None:
+        cid = max(sorted(w.checker.durable), key=lambda c: len(w.checker.durable[c]), default="")
+        for seq in sorted(w.checker.durable.get(cid, ()))[:2]:
+            w.dynamo.handle("DeleteItem", {"TableName": w.cfg.aws.messages_table,
+                                           "Key": {"connection_id": {"S": cid}, "seq": {"N": str(seq)}}})
+            w.say(f"scenario: deleted message {cid}/{seq} from the messages table")
+    w.sched.at(START + w.p.faults_until, corrupt)
+
+
+def _late_renewal(p: Params) -> None:
+    quiet(p)
+    session_mode(p)
+    p.rates = [1.0] * len(p.rates)
+
+
+def _late_renewal_setup(w: World) -> None:
+    """Defect 1: renewals of t0/s0 stop being answered (applied, answers lost) so its fence fires; the
+    last one sent before the fence is answered late, after the fence, while the replacement session's
+    PutItem is throttled."""
+    ttl = w.cfg.lease.lease_ttl_s
+    t0 = START + 3.0
+
+    def renewal(req: Request) -> bool:
+        return _is(req, "UpdateItem", w.cfg.aws.sessions_table, "t0/s0") and req.sent_at >= t0
+    w.net.rule(renewal, "lost", times=3 * int(ttl))
+    w.net.rule(lambda r: renewal(r) and r.sent_at >= t0 + ttl - 2.0, "delay", times=1, delay_s=2.5)
+    w.net.rule(lambda r: _is(r, "PutItem", w.cfg.aws.sessions_table, "t0/s0") and r.sent_at >= t0, "throttle",
+               times=6)
+    w.net.rules.reverse()  # the later, more specific rules first
+
+
+def _lost_claim(p: Params) -> None:
+    quiet(p)
+    session_mode(p)
+
+
+def _lost_claim_setup(w: World) -> None:
+    """Defect 3: a claim by t0/s0 is applied but its answer lost; the shard is SIGKILLed before it retries;
+    the supervisor expires its session; the SDK's retry (a duplicate delivery) lands after that."""
+    w.net.rule(lambda r: _is(r, "UpdateItem", w.cfg.aws.connections_table, "t0/s0")
+               and "ADD lease_epoch" in str(r.params.get("UpdateExpression")) and r.sent_at > START + 3.0,
+               "dup", times=1, delay_s=3.0)
+
+    def kill() -> None:
+        procs = [p for p in w.running_shards() if p.name.startswith("t0/s0")]
+        if procs:
+            w.crash(procs[0])
+    w.sched.at(START + 3.2, kill)
+
+
+def _pause(p: Params) -> None:
+    quiet(p)
+    session_mode(p)
+
+
+def _pause_setup(w: World) -> None:
+    """A shard SIGSTOPped for twice its TTL while a peer takes its streams, then SIGCONTed."""
+    def stop() -> None:
+        procs = [p for p in w.running_shards() if p.name.startswith("t0/s0")]
+        if procs:
+            w.pause(procs[0], 2 * w.cfg.lease.lease_ttl_s)
+    w.sched.at(START + 3.0, stop)
+
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
+    Scenario("calm", "no request faults and no lifecycle events", calm),
+    Scenario("unsafe_skew", "one shard's clock far beyond safety_margin_s (SPEC: voids the guarantee)", _unsafe_skew),
+    Scenario("corrupt", "calm, seqs from 1, two durable messages of c00 deleted at the end of the fault window",
+             quiet, _corrupt_setup),
+    Scenario("late_renewal", "defect 1: a renewal answered after the fence, replacement PutItem throttled",
+             _late_renewal, _late_renewal_setup),
+    Scenario("lost_claim", "defect 3: a claim's SDK retry lands after the session died", _lost_claim,
+             _lost_claim_setup),
+    Scenario("pause", "a shard paused for 2 x TTL, then resumed", _pause, _pause_setup),
+)}
+
+
+def names() -> list[str]:
+    return sorted(SCENARIOS)
+
+
+_ = dataclasses  # scenarios may use dataclasses.replace on params
