@@ -63,6 +63,9 @@ REQUIRED: tuple[Family, ...] = (
     Family("upstream_connected", "gauge", "Held connections whose upstream socket is open."),
     Family("session_live", "gauge", "1 while the shard's session lease is renewed in time, else 0."),
     Family("sink_buffer_messages", "gauge", "Messages buffered in the sink, not yet durably written."),
+    Family("sink_stalled_streams", "gauge",
+           "Streams whose checkpoint is held by a message DynamoDB refuses as invalid (retried, never skipped)."),
+    Family("sink_stalled_messages", "gauge", "Messages DynamoDB refused as invalid and not written since."),
     Family("event_loop_lag_seconds", "gauge", "How late the shard's once-a-second report tick ran."),
     Family("lease_claims_total", "counter", "Conditional claims by result.", _sets("result", *_RESULTS)),
     Family("lease_renewals_total", "counter", "Lease renewals by result.", _sets("result", *_RESULTS)),
@@ -208,7 +211,11 @@ class FleetCollector:
             return sum(rec.gauges().get(("active_connections", ()), 0.0) for rec in self.records)
 
     def ready(self) -> bool:
-        """Every shard is alive, reported recently, and its session is live."""
+        """Every shard is alive, reported recently, its session is live, and its sink writes everything.
+
+        A sink stalled on messages DynamoDB refuses (a misconfigured messages table) holds
+        its streams' checkpoints: the task does not do its job until an operator acts.
+        """
         now = self.clock()
         with self._lock:
             if self.draining:
@@ -216,6 +223,7 @@ class FleetCollector:
             return all(
                 rec.alive and rec.snapshot is not None and now - rec.seen_at <= READY_MAX_AGE_S
                 and rec.gauges().get(("session_live", ()), 0.0) == 1.0
+                and rec.gauges().get(("sink_stalled_streams", ()), 0.0) == 0.0
                 for rec in self.records
             )
 

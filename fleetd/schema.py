@@ -1,7 +1,8 @@
 """The DynamoDB tables and SQS queue fleetd needs (SPEC §2), and ``fleetd init``.
 
 ``TABLES`` is the single definition of the schema: ``init`` creates it, ``init
---check`` compares a deployment against it, and the CloudFormation test compares
+--check`` compares a deployment against it, a shard's boot checks the messages
+table with :func:`verify_messages_table`, and the CloudFormation test compares
 ``deploy/fleetd.yaml`` against it.
 """
 
@@ -21,6 +22,10 @@ STATE_EXPIRY_INDEX = "by_state_expiry"
 OWNER_INDEX = "by_owner"
 EXPIRY_INDEX = "by_expiry"
 SESSION_KIND = "session"
+
+
+class SchemaError(Exception):
+    """A table differs from the schema fleetd needs (or is missing): a restart cannot fix it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +66,7 @@ TABLES: tuple[Table, ...] = (
     ),
     Table("messages_table", ("connection_id", "S"), ("seq", "N")),
 )
+MESSAGES = next(t for t in TABLES if t.role == "messages_table")
 
 
 def _key_schema(hash_key: tuple[str, str], range_key: tuple[str, str] | None) -> list[dict[str, str]]:
@@ -168,9 +174,21 @@ async def _ensure_queue(sqs: Any, name: str) -> str:
     return f"created queue {name}"
 
 
-def _keys_of(schema: list[dict[str, str]], types: dict[str, str]) -> tuple[tuple[str, str] | None, ...]:
+Key = tuple[str, str] | None  # (attribute, type) of a hash or range key; None: no such key
+
+
+def _keys_of(schema: list[dict[str, str]], types: dict[str, str]) -> tuple[Key, Key]:
     by_type = {k["KeyType"]: (k["AttributeName"], types.get(k["AttributeName"], "?")) for k in schema}
     return by_type.get("HASH"), by_type.get("RANGE")
+
+
+def _key_diff(got: tuple[Key, Key], expected: tuple[Key, Key]) -> str:
+    """Names each key that differs, e.g. ``hash key is id (S), expected connection_id (S)``."""
+    def show(key: Key) -> str:
+        return f"{key[0]} ({key[1]})" if key else "missing"
+
+    return "; ".join(f"{role} key is {show(g)}, expected {show(e)}"
+                     for role, g, e in zip(("hash", "range"), got, expected, strict=True) if g != e)
 
 
 def compare(table: Table, cfg: AwsConfig, desc: dict[str, Any] | None) -> list[str]:
@@ -182,7 +200,7 @@ def compare(table: Table, cfg: AwsConfig, desc: dict[str, Any] | None) -> list[s
     problems: list[str] = []
     got = _keys_of(desc["KeySchema"], types)
     if got != (table.hash_key, table.range_key):
-        problems.append(f"table {name}: key schema is {got}, expected {(table.hash_key, table.range_key)}")
+        problems.append(f"table {name}: key schema differs: {_key_diff(got, (table.hash_key, table.range_key))}")
     present = {g["IndexName"]: g for g in desc.get("GlobalSecondaryIndexes", [])}
     for ix in table.indexes:
         g = present.pop(ix.name, None)
@@ -196,6 +214,18 @@ def compare(table: Table, cfg: AwsConfig, desc: dict[str, Any] | None) -> list[s
         if projection not in ("KEYS_ONLY", "ALL", "INCLUDE"):
             problems.append(f"table {name}: index {ix.name} has projection {projection}")
     return problems
+
+
+async def verify_messages_table(ddb: Any, cfg: AwsConfig) -> None:
+    """Raise :class:`SchemaError` naming each difference if the messages table is missing or keyed otherwise.
+
+    The sink can write nothing to a table not keyed (``connection_id`` S, ``seq`` N);
+    checked at boot, before any message is accepted.  AWS errors (throttling, access
+    denied, timeouts) propagate unchanged, for the caller to retry or give up on.
+    """
+    problems = compare(MESSAGES, cfg, await describe(ddb, MESSAGES.name(cfg)))
+    if problems:
+        raise SchemaError("; ".join(problems))
 
 
 def extra_indexes(table: Table, desc: dict[str, Any] | None) -> list[str]:

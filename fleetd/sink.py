@@ -10,13 +10,25 @@ Protocol
   ``sink_linger_ms``) with up to ``sink_flushers`` in flight.  Each batch is retried
   — UnprocessedItems and failed calls alike, with exponential backoff and jitter —
   until it is durable or its cursors are deactivated.  Nothing is dropped silently:
-  the only messages never written are those of deactivated cursors and those
-  DynamoDB can never accept (too large, or rejected as invalid), which are counted
-  in ``upstream_frames_rejected_total`` and logged.
+  the only messages never written are those of deactivated cursors and those too
+  large for a DynamoDB item (known before sending), which are counted in
+  ``upstream_frames_rejected_total{reason="too_large_for_sink"}``, logged and skipped.
+* A message DynamoDB refuses as invalid (ValidationException: a messages table with
+  the wrong key schema, a number it cannot store) is never skipped: a refused batch
+  is split into single writes to find the culprits, and each refused message
+  *stalls* — it stays buffered and un-durable, so its cursor's ``last_seq`` cannot
+  pass it, while the cursor's later messages and other cursors keep being written.
+  Stalled messages are retried one at a time, round robin, with a backoff up to
+  ``STALL_BACKOFF_MAX_S`` (the usual cause is the table, which an operator fixes);
+  when one is accepted, all are retried at once.  Every refusal counts in
+  ``sink_errors_total{kind="invalid"}``; the gauges ``sink_stalled_streams`` and
+  ``sink_stalled_messages`` show the stall (``/readyz`` fails while a shard has
+  one), and a rate-limited log line names a refused message and DynamoDB's reason.
+  A stall holds its messages in the buffer, so the high watermark bounds it.
 * ``Cursor.last_seq`` advances only over contiguous durable writes: it is the
   highest submitted seq such that every seq submitted before it on that cursor
-  is durable (or was rejected), however out of order the batches complete.  The
-  shard checkpoints it into the connection item.
+  is durable (or was too large to store), however out of order the batches
+  complete.  The shard checkpoints it into the connection item.
 * ``Sink.deactivate`` fences a cursor (lease lost, self-fenced, closed): its
   buffered messages are dropped and never sent again.  A request already on the
   wire cannot be recalled; fencing ``safety_margin_s`` before expiry covers that.
@@ -38,7 +50,7 @@ import asyncio
 import collections
 import logging
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from botocore.exceptions import ConnectTimeoutError, ReadTimeoutError
@@ -56,6 +68,8 @@ ITEM_MAX_BYTES = 400 * 1024  # DynamoDB item size limit, attribute names include
 REQUEST_MAX_BYTES = 16 * 1024 * 1024  # BatchWriteItem request size limit
 BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 2.0
+STALL_BACKOFF_MIN_S = 0.5  # retries of messages DynamoDB refused as invalid: first delay…
+STALL_BACKOFF_MAX_S = 30.0  # …doubling up to this (an operator has to fix the table)
 _NEVER = -1  # a queue length submit never reaches: no wake-up wanted
 _LOG_EVERY_S = 5.0
 
@@ -114,11 +128,11 @@ class Cursor:
 
     @property
     def pending(self) -> int:
-        """Messages submitted on this cursor and not yet durable."""
+        """Messages submitted on this cursor that ``last_seq`` has not passed (some may be durable already)."""
         return len(self._out)
 
     def durable(self, seq: int) -> None:
-        """Record that the message ``seq`` is durable (or skipped for good)."""
+        """Record that the message ``seq`` is durable (or skipped for good: too large for an item)."""
         out = self._out
         if out and out[0] == seq:
             out.popleft()
@@ -133,8 +147,12 @@ class Cursor:
             self._done.add(seq)
 
     def _drop_pending(self) -> int:
-        """Forget every message not yet durable; returns how many there were."""
-        n = len(self._out)
+        """Forget every message not yet durable; returns how many there were.
+
+        ``_out`` also holds seqs already durable behind one that is not (``_done``): those
+        left the sink's buffer count when they were written.
+        """
+        n = len(self._out) - len(self._done or ())
         self._out.clear()
         self._done = None
         return n
@@ -169,6 +187,13 @@ class Sink:
         self._q: collections.deque[Entry] = collections.deque()  # submitted, not yet built
         self._held: collections.deque[Pending] = collections.deque()  # built, sent before _q
         self._solo: collections.deque[Pending] = collections.deque()  # to be sent one per call
+        self._stalled: collections.deque[Pending] = collections.deque()  # refused as invalid, awaiting a retry
+        self._stalls: dict[Cursor, set[int]] = {}  # seqs refused as invalid and not written since
+        self._stalled_msgs = 0  # sum of the sets' sizes
+        self._retry_at: float | None = None  # loop time of the next retry of a stalled message
+        self._retry_delay = STALL_BACKOFF_MIN_S
+        self._retrying = False  # a stalled message is being retried
+        self._last_stall_log = -_LOG_EVERY_S
         self._buffered = 0
         self._pressured = False
         self._wake = asyncio.Event()
@@ -180,7 +205,7 @@ class Sink:
         self._last_log = -_LOG_EVERY_S
         self.written = 0  # messages made durable
         self.dropped = 0  # messages of deactivated cursors, never written
-        self.rejected = 0  # messages DynamoDB can never accept, skipped
+        self.rejected = 0  # messages too large for a DynamoDB item, skipped
 
     # ----- the caller's side (synchronous, hot) -------------------------------------------------------
 
@@ -229,6 +254,10 @@ class Sink:
         # accounted for here, once.
         self._buffered -= n
         self.dropped += n
+        stalled = self._stalls.pop(cur, None)
+        if stalled is not None:
+            self._stalled_msgs -= len(stalled)
+            self._stall_gauges()
         self._after_progress()
         self._wake.set()  # a drain may be waiting for the buffer to empty
 
@@ -331,7 +360,10 @@ class Sink:
         deadline: float | None = None
         try:
             while not finished() and not (yields and self._run_waiting):
-                timeout: float | None = None
+                timeout = self._retry_due(loop.time())
+                if timeout == 0.0:
+                    self._start_retry(ddb)
+                    continue
                 waiting = bool(self._q or self._held or self._solo)
                 if waiting and len(self._flushes) < self._max_flushes:
                     now = loop.time()
@@ -340,7 +372,8 @@ class Sink:
                         self._start_flush(ddb, self._take())
                         deadline = None
                         continue
-                    self._wake_at, timeout = BATCH_MAX, deadline - now
+                    self._wake_at = BATCH_MAX
+                    timeout = deadline - now if timeout is None else min(timeout, deadline - now)
                 else:
                     # Queue empty: wake on the first message.  Slots full: a finishing flush wakes us.
                     self._wake_at = _NEVER if waiting else 1
@@ -401,7 +434,11 @@ class Sink:
         return cur, seq, {"PutRequest": {"Item": item}}, received_at_ms, wire + size
 
     def _reject(self, cur: Cursor, seq: int, reason: str, why: str) -> None:
-        """Skip a message DynamoDB can never store: counted, logged, and done, so last_seq moves on."""
+        """Skip a message too large for any DynamoDB item: counted, logged, and done, so last_seq moves on.
+
+        Known before sending and independent of the table, so no fix could ever store it
+        (SPEC §5).  A message DynamoDB *refuses* is never skipped: see ``_stall``.
+        """
         self._stats.inc("upstream_frames_rejected_total", reason=reason)
         log.warning("sink skips message %s/%d: %s", cur.connection_id, seq, why)
         self.rejected += 1
@@ -409,9 +446,11 @@ class Sink:
         self._after_progress()
 
     def _start_flush(self, ddb: Any, batch: list[Pending]) -> None:
-        if not batch:
-            return
-        task = asyncio.get_running_loop().create_task(self._flush(ddb, batch))
+        if batch:
+            self._start(self._flush(ddb, batch))
+
+    def _start(self, flush: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(flush)
         self._flushes.add(task)
         task.add_done_callback(self._flush_done)
 
@@ -492,13 +531,88 @@ class Sink:
             self._solo.extend(batch)
             self._wake.set()
             return
-        cur, seq = batch[0][0], batch[0][1]
-        self._reject(cur, seq, "invalid_for_sink", f"DynamoDB refused it: {exc}")
+        self._stall(batch[0], exc)
+
+    # ----- messages refused as invalid: held, retried slowly, never skipped ---------------------------
+
+    def _stall(self, p: Pending, exc: BaseException) -> None:
+        """Hold a message DynamoDB refused on its own: not durable, so its cursor's last_seq stops before it."""
+        cur, seq = p[0], p[1]
+        if not cur.active:
+            return
+        seqs = self._stalls.setdefault(cur, set())
+        if seq not in seqs:
+            seqs.add(seq)
+            self._stalled_msgs += 1
+            self._stall_gauges()
+        self._stalled.append(p)
+        if self._retry_at is None:
+            self._retry_at = asyncio.get_running_loop().time() + min(self._retry_delay, STALL_BACKOFF_MAX_S)
+        now = asyncio.get_running_loop().time()
+        if now - self._last_stall_log >= _LOG_EVERY_S:
+            self._last_stall_log = now
+            log.error("sink cannot write message %s/%d, DynamoDB refuses it as invalid: %s; %d messages of "
+                      "%d streams are held, their checkpoints stop before them, retrying every <= %g s "
+                      "(check the messages table's key schema: `fleetd init --check`)", cur.connection_id, seq,
+                      exc, self._stalled_msgs, len(self._stalls), STALL_BACKOFF_MAX_S)
+
+    def _retry_due(self, now: float) -> float | None:
+        """Seconds until a stalled message should be retried (0: now), None if none is waiting."""
+        if self._retry_at is None or self._retrying or not self._stalled:
+            return None
+        if len(self._flushes) >= self._max_flushes:
+            return None  # a finishing flush wakes the pump
+        return max(0.0, self._retry_at - now)
+
+    def _start_retry(self, ddb: Any) -> None:
+        """Retry the stalled message next in turn (round robin: one that can never be written blocks none)."""
+        while self._stalled:
+            p = self._stalled.popleft()
+            if p[0].active:
+                self._retrying = True
+                self._start(self._retry(ddb, p))
+                return
+        self._retry_at = None
+
+    async def _retry(self, ddb: Any, p: Pending) -> None:
+        """One stalled message: refused again → back off; written → the cause is gone, retry them all."""
+        try:
+            await self._flush(ddb, [p])
+        finally:
+            self._retrying = False
+        cur, seq = p[0], p[1]
+        if seq in self._stalls.get(cur, ()):  # refused again (``_stall`` queued it at the back)
+            self._retry_delay = min(self._retry_delay * 2, STALL_BACKOFF_MAX_S)
+        elif cur.active:
+            self._retry_delay = STALL_BACKOFF_MIN_S
+            self._held.extendleft(reversed(self._stalled))  # still counted as stalled until written
+            self._stalled.clear()
+        now = asyncio.get_running_loop().time()
+        self._retry_at = now + min(self._retry_delay, STALL_BACKOFF_MAX_S) if self._stalled else None
+
+    def _unstall(self, cur: Cursor, seq: int) -> None:
+        """A message that had been refused is written after all."""
+        seqs = self._stalls.get(cur)
+        if seqs is None or seq not in seqs:
+            return
+        seqs.discard(seq)
+        self._stalled_msgs -= 1
+        if not seqs:
+            del self._stalls[cur]
+            if not self._stalls:
+                log.info("sink writes again: no message is held as refused any more")
+        self._stall_gauges()
+
+    def _stall_gauges(self) -> None:
+        self._stats.set("sink_stalled_streams", len(self._stalls))
+        self._stats.set("sink_stalled_messages", self._stalled_msgs)
 
     def _complete(self, cur: Cursor, seq: int) -> None:
         if cur.active:  # a deactivated cursor's messages were un-counted when it was fenced
             self._buffered -= 1
             cur.durable(seq)
+            if self._stalls:
+                self._unstall(cur, seq)
 
     def _after_progress(self) -> None:
         """Keep the buffer gauge current, wake waiters, release backpressure below the low watermark."""

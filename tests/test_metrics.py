@@ -21,10 +21,11 @@ class FakeClock:
 
 
 def snapshot(active: int = 0, claims: float = 0, messages: int = 0, live: float = 1.0,
-             batches: tuple[float, ...] = (), session: str = "s") -> dict[str, Any]:
+             batches: tuple[float, ...] = (), session: str = "s", stalled: float = 0.0) -> dict[str, Any]:
     stats = Stats()
     stats.set("active_connections", active)
     stats.set("session_live", live)
+    stats.set("sink_stalled_streams", stalled)
     if claims:
         stats.inc("lease_claims_total", claims, result="won")
     stats.messages = messages
@@ -155,6 +156,10 @@ def test_ready_needs_every_shard_live_and_fresh() -> None:
     assert not c.ready()
     c.shard_started(0, pid=7, restart=True)
     c.update(0, snapshot())
+    assert c.ready()
+    c.update(1, snapshot(stalled=2.0))
+    assert not c.ready()  # shard 1's sink cannot write two streams' messages
+    c.update(1, snapshot())
     assert c.ready()
     c.draining = True
     assert not c.ready()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid
 from typing import Any
@@ -142,6 +143,51 @@ def test_compare_reports_key_schema_drift() -> None:
     problems = schema.compare(table, aws, desc)
     assert len(problems) == 1 and "key schema" in problems[0] and aws.messages_table in problems[0]
     assert schema.compare(table, aws, None) == [f"table {aws.messages_table} is missing (run `fleetd init`)"]
+
+
+def test_messages_table_check_names_the_wrong_key(fresh: Config) -> None:
+    """The shard's boot check: a messages table it cannot write to is an error naming the difference."""
+    name = fresh.aws.messages_table
+
+    async def create(hash_key: str, seq_type: str | None) -> None:
+        keys = [{"AttributeName": hash_key, "KeyType": "HASH"}]
+        attrs = [{"AttributeName": hash_key, "AttributeType": "S"}]
+        if seq_type:
+            keys.append({"AttributeName": "seq", "KeyType": "RANGE"})
+            attrs.append({"AttributeName": "seq", "AttributeType": seq_type})
+        async with clients(fresh) as c:
+            await c.dynamodb.create_table(TableName=name, BillingMode="PAY_PER_REQUEST", KeySchema=keys,
+                                          AttributeDefinitions=attrs)
+
+    async def check() -> str | None:
+        async with clients(fresh) as c:
+            try:
+                await schema.verify_messages_table(c.dynamodb, fresh.aws)
+            except schema.SchemaError as e:
+                return str(e)
+            return None
+
+    async def drop() -> None:
+        async with clients(fresh) as c:
+            await c.dynamodb.delete_table(TableName=name)
+            for _ in range(200):
+                if await schema.describe(c.dynamodb, name) is None:
+                    return
+                await asyncio.sleep(0.05)
+        raise AssertionError(f"table {name} still exists")
+
+    assert "missing" in str(arun(check()))
+    arun(create("id", None))
+    wrong = arun(check())
+    assert wrong is not None and name in wrong
+    assert "hash key is id (S), expected connection_id (S)" in wrong and "expected seq (N)" in wrong
+    arun(drop())
+    arun(create("connection_id", "S"))
+    wrong = arun(check())
+    assert wrong is not None and "range key is seq (S), expected seq (N)" in wrong and "hash key" not in wrong
+    arun(drop())
+    arun(create("connection_id", "N"))  # the right one: connection_id S, seq N
+    assert arun(check()) is None
 
 
 def test_create_table_request_is_on_demand_and_keys_only() -> None:

@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.faults.proxy import FaultProxy, client_via
-from fleetd import config
+from fleetd import config, schema
+from fleetd import sink as sink_mod
 from fleetd.clock import SystemClock
 from fleetd.config import Config
 from fleetd.devstack import DevStack
@@ -314,18 +315,135 @@ def test_oversized_message_is_counted_skipped_and_passed(cfg: Config) -> None:
     arun(body())
 
 
-def test_invalid_item_is_isolated_and_skipped(cfg: Config) -> None:
-    """DynamoDB refuses a whole batch for one bad item: the others are still written."""
+def test_invalid_item_is_isolated_and_stalls_only_its_cursor(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DynamoDB refuses a whole batch for one bad item: the others are still written, the bad one never passes."""
+    monkeypatch.setattr(sink_mod, "STALL_BACKOFF_MAX_S", 0.1, raising=False)
+
     async def body() -> None:
         stats = Stats()
         sink = _sink(cfg, stats)
         bad, good = sink.cursor("", 1, 0), sink.cursor(fresh("good"), 1, 0)  # an empty key is invalid
         submit_round_robin(sink, [good, bad], 20, json_payload)
-        async with clients(cfg) as c:
-            assert await sink.drain(c.dynamodb, 10.0)
+        async with clients(cfg) as c, running(sink, c.dynamodb):
+            await until(lambda: good.last_seq == 10 and stats.counter("sink_errors_total", kind="invalid") > 10, 10.0)
             assert sorted(await items_of(c.dynamodb, cfg, good.connection_id)) == list(range(1, 11))
-        assert (good.last_seq, bad.last_seq) == (10, 10)
-        assert stats.counter("upstream_frames_rejected_total", reason="invalid_for_sink") == 10
+            assert (bad.last_seq, bad.pending, sink.buffered) == (0, 10, 10)
+            assert not await sink.wait_durable(c.dynamodb, [bad], 0.2)
+        assert stats.counter("upstream_frames_rejected_total", reason="invalid_for_sink") == 0
+        assert sink.rejected == 0
+
+    arun(body())
+
+
+# ----- refused as invalid: the checkpoint stalls, never skips (SPEC §3) -----------------------------------
+
+POISON = 10**38 + 1  # 39 significant digits: DynamoDB refuses the number; the sink's size check does not see it
+
+
+async def create_wrong_table(ddb: Any, name: str, seq_type: str | None = None) -> None:
+    """A messages table with a key schema fleetd cannot write to: hash ``id``, or ``seq`` typed ``seq_type``."""
+    if seq_type is None:
+        keys = [{"AttributeName": "id", "KeyType": "HASH"}]
+        attrs = [{"AttributeName": "id", "AttributeType": "S"}]
+    else:
+        keys = [{"AttributeName": "connection_id", "KeyType": "HASH"}, {"AttributeName": "seq", "KeyType": "RANGE"}]
+        attrs = [{"AttributeName": "connection_id", "AttributeType": "S"},
+                 {"AttributeName": "seq", "AttributeType": seq_type}]
+    await ddb.create_table(TableName=name, BillingMode="PAY_PER_REQUEST", KeySchema=keys, AttributeDefinitions=attrs)
+
+
+async def recreate_right_table(ddb: Any, cfg: Config) -> None:
+    """Delete the messages table and create it again as ``fleetd init`` would."""
+    name = cfg.aws.messages_table
+    await ddb.delete_table(TableName=name)
+    await until_async(lambda: schema.describe(ddb, name), lambda desc: desc is None, 10.0)
+    await ddb.create_table(**schema.create_table_request(schema.TABLES[2], cfg.aws))
+    await until_async(lambda: schema.describe(ddb, name),
+                      lambda desc: desc is not None and desc["TableStatus"] == "ACTIVE", 10.0)
+
+
+async def until_async(probe: Callable[[], Any], pred: Callable[[Any], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred(await probe()):
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+def stalled(stats: Stats) -> tuple[float, float]:
+    return stats.gauges.get(("sink_stalled_streams", ()), 0.0), stats.gauges.get(("sink_stalled_messages", ()), 0.0)
+
+
+def test_wrong_key_schema_stalls_every_checkpoint_until_the_table_is_fixed(
+        cfg: Config, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing is marked durable, last_seq stays, reads are paused; once the table is right, all is written."""
+    monkeypatch.setattr(sink_mod, "STALL_BACKOFF_MAX_S", 0.2, raising=False)
+    bad = config.replace(cfg, messages_table=f"{cfg.aws.messages_table}-{uuid.uuid4().hex[:6]}",
+                         sink_high_watermark=100, sink_low_watermark=50)
+
+    async def body() -> None:
+        stats = Stats()
+        pressure: list[bool] = []
+        sink = _sink(bad, stats, on_pressure=pressure.append)
+        poisoned = sink.cursor(fresh("poisoned"), 1, 0)
+        cursors = [sink.cursor(fresh(f"conn{i}"), 1, 0) for i in range(4)]
+        sink.submit(poisoned, POISON, b"never storable", 1)  # first in line: the retries must not stick to it
+        async with clients(cfg) as c:
+            await create_wrong_table(c.dynamodb, bad.aws.messages_table)
+            async with running(sink, c.dynamodb):
+                submit_round_robin(sink, cursors, 200, json_payload)
+                sink.submit(poisoned, 2 * 10**39, b"storable", 1)
+                # Every message was tried on its own and refused (202 single calls + the batches).
+                await until(lambda: stats.counter("sink_errors_total", kind="invalid") >= 210, 20.0)
+                await asyncio.sleep(0.5)  # a few slow retries
+                assert [cur.last_seq for cur in (*cursors, poisoned)] == [0] * 5
+                assert (sink.buffered, sink.written, sink.rejected) == (202, 0, 0)
+                assert pressure == [True]  # reads paused, and they stay paused: the buffer cannot drain
+                assert stalled(stats) == (5, 202)
+                assert stats.counter("upstream_frames_rejected_total", reason="invalid_for_sink") == 0
+                refused = stats.counter("sink_errors_total", kind="invalid")
+                await asyncio.sleep(0.6)
+                assert stats.counter("sink_errors_total", kind="invalid") > refused, "stalled writes are not retried"
+                assert stats.counter("sink_errors_total", kind="invalid") < refused + 20, "retries are not slow"
+
+                await recreate_right_table(c.dynamodb, bad)
+                await until(lambda: sink.buffered == 1, 20.0)
+                assert [cur.last_seq for cur in cursors] == [50] * 4
+                for cur in cursors:
+                    assert sorted(await items_of(c.dynamodb, bad, cur.connection_id)) == list(range(1, 51))
+                assert sorted(await items_of(c.dynamodb, bad, poisoned.connection_id)) == [2 * 10**39]
+                assert (poisoned.last_seq, poisoned.pending) == (0, 2)  # held before its refused seq
+                assert pressure == [True, False]
+                assert stalled(stats) == (1, 1)
+                sink.deactivate(poisoned)  # lease released or lost: its stall goes with it
+                assert stalled(stats) == (0, 0) and sink.buffered == 0
+
+    arun(body())
+
+
+def test_a_message_dynamodb_refuses_stalls_only_its_stream(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sink_mod, "STALL_BACKOFF_MAX_S", 0.1, raising=False)
+
+    async def body() -> None:
+        stats = Stats()
+        sink = _sink(cfg, stats)
+        poisoned, other = sink.cursor(fresh("poisoned"), 1, 0), sink.cursor(fresh("other"), 1, 0)
+        after = [2 * 10**39, 3 * 10**39]
+        async with clients(cfg) as c, running(sink, c.dynamodb):
+            for seq in (1, 2, 3, POISON, *after):
+                sink.submit(poisoned, seq, json_payload(poisoned.connection_id, seq), 1)
+            submit_round_robin(sink, [other], 50, json_payload)
+            await until(lambda: other.last_seq == 50 and sink.buffered <= 1, 10.0)
+            assert sorted(await items_of(c.dynamodb, cfg, poisoned.connection_id)) == [1, 2, 3, *after]
+            assert (poisoned.last_seq, poisoned.pending) == (3, 3)  # the refused seq and the two behind it
+            assert stalled(stats) == (1, 1)
+            refused = stats.counter("sink_errors_total", kind="invalid")
+            await asyncio.sleep(0.5)
+            assert stats.counter("sink_errors_total", kind="invalid") > refused  # retried, slowly
+            assert poisoned.last_seq == 3
+            sink.submit(other, 51, b"still flowing", 1)
+            await until(lambda: other.last_seq == 51, 5.0)
+            assert not await sink.wait_durable(c.dynamodb, [poisoned], 0.3)
+        assert (sink.rejected, stats.counter("upstream_frames_rejected_total", reason="invalid_for_sink")) == (0, 0)
 
     arun(body())
 
