@@ -41,6 +41,7 @@ from fleetd.config import Config
 from fleetd.ctl import validate_url
 from fleetd.hints import Hints, HintStream
 from fleetd.lease import STOPPED, ClaimResult, ConnItem, Fate, LeaseStore, Outcome, SessionInfo, classify
+from fleetd.schema import SchemaError, verify_messages_table
 from fleetd.sink import Cursor, Sink
 from fleetd.stats import Stats
 from fleetd.upstream import Connection, Connector
@@ -209,7 +210,8 @@ class Shard:
             self.ddb = clients.dynamodb
             self.sink_ddb = clients.sink_dynamodb
             self.leases = LeaseStore(self.ddb, self.cfg.aws, self.cfg.lease, self.clock, self._count_request)
-            self.sink = Sink(self.cfg, "", self.stats, self.clock, on_pressure=self._on_pressure)
+            self.sink = Sink(self.cfg, "", self.stats, self.clock, on_pressure=self._on_pressure,
+                             may_write=self._lease_valid)
             self.hints = Hints(clients.sqs, self.cfg.aws.hints_queue, self.cfg.aws.hint_wait_s, self.stats)
             try:
                 if not await self._boot():
@@ -272,11 +274,20 @@ class Shard:
                 raise BootError(_boot_reason(e, f"queue {self.cfg.aws.hints_queue}")) from None
             log.warning("hints queue unreachable at boot; running without hints until it answers",
                         extra={"error": f"{type(e).__name__}: {e}"})
+        if not await self._boot_step("messages table", self._check_messages_table):
+            return False
         if not await self._boot_step("session", self._create_first_session):
             return False
         if self.predecessor:
             self.session.previous.append(self.predecessor)
         return True
+
+    async def _check_messages_table(self) -> None:
+        """A messages table keyed otherwise would refuse every message: a boot error, not a stall."""
+        try:
+            await verify_messages_table(self.ddb, self.cfg.aws)
+        except SchemaError as e:
+            raise BootError(f"messages table: {e}") from None
 
     async def _create_first_session(self) -> None:
         outcome = await self._new_session()
@@ -449,6 +460,15 @@ class Shard:
             if await _wait(self.stopping, delay):
                 return
             delay = min(delay * 2, 5.0)
+
+    def _lease_valid(self, cur: Cursor) -> bool:
+        """The sink may send this cursor's messages now: its stream is held through it, under a live
+        session, within its fence deadline (checked at send time, whatever the fence loop did)."""
+        h = self.held.get(cur.connection_id)
+        if h is None or h.cursor is not cur:
+            return False
+        now = self.clock.monotonic()
+        return self.session.live(now) and (self.cfg.lease.lease_mode != "item" or now < h.deadline)
 
     def _forget(self, cid: str, h: Held) -> None:
         """A stream released or handed over: drop this record of it (never a newer one)."""

@@ -95,6 +95,10 @@ def _no_pressure(paused: bool) -> None:
     pass
 
 
+def _always(cur: Cursor) -> bool:
+    return True
+
+
 class Cursor:
     """Per-connection write state owned by the sink.
 
@@ -171,8 +175,10 @@ class Sink:
     """
 
     def __init__(self, cfg: Config, session_id: str, stats: Stats, clock: Clock,
-                 on_pressure: Callable[[bool], None] = _no_pressure) -> None:
+                 on_pressure: Callable[[bool], None] = _no_pressure,
+                 may_write: Callable[[Cursor], bool] = _always) -> None:
         sk = cfg.sink
+        self._may_write = may_write
         self._discard = sk.sink == "discard"
         self._table = cfg.aws.messages_table
         self._session_attr = {"S": session_id}
@@ -493,7 +499,18 @@ class Sink:
             raise
 
     async def _do_batch_write(self, ddb: Any, batch: list[Pending]) -> list[Pending]:
-        """One BatchWriteItem: marks what was written durable, returns the unprocessed rest."""
+        """One BatchWriteItem: marks what was written durable, returns the unprocessed rest.
+
+        Fencing is checked at the moment of sending, not only when the lease is lost: a message
+        goes out only while ``may_write`` says its stream's lease is valid now.  A process paused
+        past its deadline may resume its flushes before its fence loop runs; their cursors are
+        deactivated here instead (their messages are the next owner's to write)."""
+        for p in batch:
+            if p[0].active and not self._may_write(p[0]):
+                self.deactivate(p[0])
+        batch = [p for p in batch if p[0].active]
+        if not batch:
+            return []
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:

@@ -340,6 +340,20 @@ def test_shard_without_tables_exits_with_boot_error(cfg: Config, tmp_path: Path)
         stop_all(shard)
 
 
+def test_shard_with_a_wrongly_keyed_messages_table_exits_with_boot_error(cfg: Config, tmp_path: Path) -> None:
+    """Every message would be refused: a boot error naming the key, not a shard that stalls every stream."""
+    wrong = config.replace(cfg, messages_table=cfg.aws.messages_table + "-wrong")
+    ddb().create_table(TableName=wrong.aws.messages_table, BillingMode="PAY_PER_REQUEST",
+                       KeySchema=[{"AttributeName": "id", "KeyType": "HASH"}],
+                       AttributeDefinitions=[{"AttributeName": "id", "AttributeType": "S"}])
+    shard = start_shard(wrong, tmp_path, 0)
+    try:
+        assert shard.wait(20) == 3
+        assert any("hash key is id" in str(r.get("reason", "")) for r in shard.logs()), shard.logs()[-3:]
+    finally:
+        stop_all(shard)
+
+
 def test_dead_session_is_emptied_then_forgotten_after_its_grace(cfg: Config, upstream: UpstreamProc) -> None:
     """Its STARTED items are claimed, its STOPPED ones freed, and an item its late claim wins while
     it is still listed is found too; only after ``dead_session_grace_s`` is it deleted."""
