@@ -38,7 +38,7 @@ from fleetd import config, exits, items
 from fleetd.aws import Clients, error_code, open_clients
 from fleetd.clock import Clock, SystemClock
 from fleetd.config import Config, UpstreamConfig
-from fleetd.lease import STARTED, STOPPED, BadItem, ConnItem, LeaseStore
+from fleetd.lease import STARTED, STOPPED, BadItem, ConnItem, Fate, LeaseStore, Outcome
 from fleetd.schema import HELD_BY_SESSION
 
 MAX_ID_BYTES = 1024
@@ -169,6 +169,7 @@ class _Command:
     name: str
     help: str
     args: tuple[tuple[str, str, str], ...]  # (dest, metavar, help)
+    force: str = ""  # help of a --force flag, if the command has one
 
 
 _ID_ARG = ("connection_id", "ID", "connection id (printable, at most 1024 bytes)")
@@ -179,6 +180,9 @@ _COMMANDS = (
     _Command("ls", "list connections with their lease state", ()),
     _Command("show", "print every attribute of one connection item", (_ID_ARG,)),
     _Command("sessions", "list live and expired shard sessions and the items each owns", ()),
+    _Command("release", "free a connection whose owner session is dead or no longer exists (says what it "
+             "would do; --force does it)", (_ID_ARG,),
+             force="free it; refused while the owner session is alive"),
 )
 
 _EPILOG = """\
@@ -201,7 +205,7 @@ _P = TypeVar("_P", bound=argparse.ArgumentParser)
 
 def add_parser(sub: argparse._SubParsersAction[_P]) -> None:
     """Add ``ctl`` and its commands to the ``fleetd`` sub-parsers."""
-    ctl = sub.add_parser("ctl", help="control connections: start, stop, ls, show, sessions",
+    ctl = sub.add_parser("ctl", help="control connections: start, stop, ls, show, sessions, release",
                          usage="fleetd ctl [-h] [config flags] COMMAND [--json] [config flags] ...",
                          description="Control the fleet's connections (SPEC §7).", epilog=_EPILOG,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -216,6 +220,8 @@ def add_parser(sub: argparse._SubParsersAction[_P]) -> None:
         for dest, metavar, help_text in cmd.args:
             p.add_argument(dest, metavar=metavar, help=help_text)
         p.add_argument("--json", action="store_true", help="print JSON instead of text")
+        if cmd.force:
+            p.add_argument("--force", action="store_true", help=cmd.force)
         config.add_flags(p)
         _suppress_defaults(p, config_dests)
 
@@ -479,6 +485,45 @@ async def _show(ctx: _Ctx, args: argparse.Namespace) -> int:
     return exits.OK
 
 
+async def _release(ctx: _Ctx, args: argparse.Namespace) -> int:
+    """The operator's escape hatch for an item the fleet does not take over by itself: never for a live
+    owner (it may be streaming), and only with --force; the write is conditioned on owner and epoch."""
+    cid = _checked(validate_id, "connection id", args.connection_id)
+    table = ctx.cfg.aws.connections_table
+    with _aws_errors("GetItem", f"table {table}"):
+        resp = await ctx.clients.dynamodb.get_item(TableName=table, Key={"connection_id": _s(cid)},
+                                                   ConsistentRead=True)
+    if "Item" not in resp:
+        raise _usage(f"unknown connection {cid!r} in table {table}")
+    item = ConnItem.parse(resp["Item"])
+    if not item.lease_owner:
+        return _report_release(ctx, cid, "", "free", "nothing to release: it has no owner")
+    fate = (await ctx.store.fate(item.lease_owner)).fate
+    if fate is Fate.UNKNOWN:
+        raise CtlError(f"could not read the session {item.lease_owner!r} of {cid!r}; nothing was changed")
+    if fate is Fate.ALIVE:
+        raise _usage(f"{cid!r} is owned by the live session {item.lease_owner!r}, which may be streaming it; "
+                     f"use `fleetd ctl stop`, or wait for the session to end")
+    state = "dead" if fate is Fate.DEAD else "gone"
+    if not args.force:
+        return _report_release(ctx, cid, item.lease_owner, state, "not released (pass --force to free it)")
+    outcome = await ctx.store.disown(cid, item.lease_owner, epoch=item.lease_epoch)
+    if outcome is not Outcome.WON:
+        raise CtlError(f"{cid!r} changed while being released ({outcome.value}); run `fleetd ctl show {cid}`")
+    hinted = await _try_hint(ctx, cid)
+    return _report_release(ctx, cid, item.lease_owner, state,
+                           "released" + (" and a START hint sent" if hinted else ""))
+
+
+def _report_release(ctx: _Ctx, cid: str, owner: str, owner_state: str, what: str) -> int:
+    if ctx.as_json:
+        _print_json({"connection_id": cid, "lease_owner": owner or None, "owner_state": owner_state,
+                     "result": what})
+    else:
+        print(f"{cid}: owner {owner or '-'} ({owner_state}): {what}")
+    return exits.OK
+
+
 _SHOW_ORDER = ("connection_id", "desired_state", "ws_url", "lease_owner", "lease_expires_at_ms", "lease_epoch",
                "last_seq", "created_at_ms", "updated_at_ms", "last_error", "attempts")
 
@@ -598,5 +643,5 @@ async def _owned_counts(ctx: _Ctx, session_ids: list[str]) -> dict[str, int]:
 
 
 _HANDLERS: dict[str, Callable[[_Ctx, argparse.Namespace], Awaitable[int]]] = {
-    "start": _start, "stop": _stop, "ls": _ls, "show": _show, "sessions": _sessions,
+    "start": _start, "stop": _stop, "ls": _ls, "show": _show, "sessions": _sessions, "release": _release,
 }

@@ -377,6 +377,48 @@ def test_sessions_lists_live_and_expired_with_owned_counts(ctl_env: Config,
     assert lines[2].split()[-1] == "2"
 
 
+# ----- release ----------------------------------------------------------------------------------------------
+
+
+def test_release_refuses_a_live_owner_and_frees_a_dead_or_missing_one_only_with_force(
+        ctl_env: Config, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = ctl_env
+    for cid in ("r1", "r2", "r3"):
+        assert fleetd(capsys, "ctl", "start", cid, "wss://feed.example.com/")[0] == exits.OK
+    receive_hints(cfg)  # the start hints
+    claim(cfg, "r1", "task-1/0/live")
+
+    async def dead_and_forgotten() -> None:
+        async with clients(cfg) as c:
+            store = leases(c, cfg)
+            await store.create_session(SessionInfo("task-2/0/dead", "task-2", 0, 500))
+            assert (await store.claim("r2", "task-2/0/dead")).outcome is Outcome.WON
+            assert await store.expire_session("task-2/0/dead") is Outcome.WON
+            # A session that no longer exists: its claim landed after it was forgotten.
+            assert (await store.claim("r3", "task-3/0/gone")).outcome is Outcome.WON
+
+    arun(dead_and_forgotten())
+    code, _, err = fleetd(capsys, "ctl", "release", "r1", "--force")
+    assert code == exits.USAGE
+    assert_one_error_line(err, "live session", "task-1/0/live")
+    assert (ddb_item(cfg, "r1") or {})["lease_owner"]["S"] == "task-1/0/live"
+
+    code, out, _ = fleetd(capsys, "ctl", "release", "r3", "--json")
+    assert code == exits.OK and orjson.loads(out)["result"].startswith("not released")
+    assert (ddb_item(cfg, "r3") or {})["lease_owner"]["S"] == "task-3/0/gone"
+
+    for cid, state in (("r2", "dead"), ("r3", "gone")):
+        code, out, _ = fleetd(capsys, "ctl", "release", cid, "--force", "--json")
+        assert code == exits.OK, out
+        assert orjson.loads(out) == {"connection_id": cid, "lease_owner": f"task-{cid[1]}/0/{state}",
+                                     "owner_state": state, "result": "released and a START hint sent"}
+        item = ddb_item(cfg, cid) or {}
+        assert "lease_owner" not in item and item["lease_expires_at_ms"] == {"N": "0"}
+    assert {h["connection_id"] for h in receive_hints(cfg)} == {"r2", "r3"}
+    code, out, _ = fleetd(capsys, "ctl", "release", "r2")
+    assert code == exits.OK and "nothing to release" in out
+
+
 # ----- failures of the deployment -------------------------------------------------------------------------
 
 
