@@ -16,7 +16,9 @@ Modelled:
   attribute_exists / attribute_not_exists / attribute_type / begins_with / contains / size),
   UpdateExpression (SET with ``+``/``-``, if_not_exists, list_append; REMOVE; ADD for numbers and
   sets; DELETE for sets; nested ``a.b`` / ``a[0]`` paths), ProjectionExpression, #name and :value
-  placeholders (undefined or unused ones are errors, bare reserved words are errors).
+  placeholders (undefined or unused ones are errors, bare reserved words are errors).  A comparison
+  with a missing attribute is false, except ``<>`` (true) and ``=`` of two missing operands (true, as in
+  moto and dynalite); the condition is checked before the update is applied.
 * ReturnValues (all five), ReturnValuesOnConditionCheckFailure=ALL_OLD (the item goes to the error
   response's ``Item``), Query / Scan with Limit, ExclusiveStartKey / LastEvaluatedKey (for a GSI
   the table key and the index key), ScanIndexForward, Select, FilterExpression after Limit, 1 MB pages.
@@ -817,7 +819,10 @@ def _compile_cmp(op: str, left: Node, right: Node) -> Cond:
         if left[0] == "path" and len(left[1]) == 1 and right[0] == "val":
             name, ph = left[1][0], right[1]
             return lambda item, values: _eq(item.get(name), values[ph])
-        return lambda item, values: _eq(a(item, values), b(item, values))
+        def equal(item: Item, values: Values) -> bool:
+            x, y = a(item, values), b(item, values)
+            return (x is None and y is None) or _eq(x, y)  # two missing operands are equal (moto, dynalite)
+        return equal
     if op == "<>":
         def differ(item: Item, values: Values) -> bool:
             x, y = a(item, values), b(item, values)
