@@ -40,11 +40,12 @@ class UpstreamProc:
     """``python -m bench.upstream`` with its HTTP control port."""
 
     def __init__(self, log_dir: Path, rate: float = 5.0, size: int = 120, port: int = 0,
-                 name: str = "upstream", first_seq: int = 1) -> None:
+                 name: str = "upstream", first_seq: int = 1, ping_s: float = 0.0) -> None:
         out = log_dir / f"{name}.out"
         out.unlink(missing_ok=True)  # a stale file from an earlier run would announce a dead port
         self.proc = spawn([sys.executable, "-m", "bench.upstream", "--port", str(port), "--rate", str(rate),
-                           "--size", str(size), "--control-port", "0", "--first-seq", str(first_seq)], out)
+                           "--size", str(size), "--control-port", "0", "--first-seq", str(first_seq),
+                           "--ping-s", str(ping_s)], out)
         lines = wait_for(lambda: _listening(out), 20, what="fake upstream to listen")
         self.control = lines["control"]
         self.ws = lines["listening"]

@@ -261,10 +261,14 @@ class FakeUpstream:
         stalled: bool = False,
         refusing: bool = False,
         first_seq: int = 1,
+        ping_s: float = 0.0,
     ) -> None:
         if rate < 0 or keep < 1 or tick_ms <= 0 or first_seq < 0:
             raise ValueError("rate must be >= 0, keep >= 1, tick_ms > 0, first_seq >= 0")
         self.first_seq = first_seq
+        # > 0: ping every client idle this long and drop it if no pong comes within as long (a client
+        # whose process is paused stops answering; real upstreams drop such sockets the same way).
+        self.ping_s = ping_s
         self.host = host
         self.port = port
         self.rate = rate
@@ -298,6 +302,9 @@ class FakeUpstream:
             self.host,
             self.port,
             enable_auto_pong=False,  # answered by _Client.on_ws_frame so that stall can withhold pongs
+            enable_auto_ping=self.ping_s > 0,
+            auto_ping_idle_timeout=self.ping_s or 10.0,
+            auto_ping_reply_timeout=self.ping_s or 10.0,
             read_buffer_init_size=2048,  # clients send almost nothing; halves idle memory per connection
             logger_name="fake_upstream",
             backlog=4096,  # benchmarks open thousands of connections at once
@@ -840,6 +847,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tick-ms", type=int, default=20)
     p.add_argument("--oversize-bytes", type=int, default=1 << 20)
     p.add_argument("--first-seq", type=int, default=1, help="seq of every stream's first frame (0 or 1)")
+    p.add_argument("--ping-s", type=float, default=0.0,
+                   help="ping idle clients and drop those silent this long (0: never)")
     p.add_argument("--stats-file", type=Path, help="JSON stats written every second and on exit")
     p.add_argument("--control-port", type=int, help="HTTP control endpoint port (0 picks a free port)")
     p.add_argument("--log-level", default="WARNING")
@@ -870,7 +879,8 @@ def _raise_nofile_limit() -> None:
 
 async def serve(args: argparse.Namespace) -> None:
     """Run until SIGTERM/SIGINT."""
-    up = FakeUpstream(args.host, args.port, args.rate, args.size, args.keep, args.tick_ms, first_seq=args.first_seq)
+    up = FakeUpstream(args.host, args.port, args.rate, args.size, args.keep, args.tick_ms, first_seq=args.first_seq,
+                      ping_s=args.ping_s)
     up.oversize_bytes = args.oversize_bytes
     await up.start()
     stop = asyncio.Event()

@@ -568,7 +568,6 @@ class Shard:
             self.stats.inc("bad_items_total", reason="unparseable")
             log.warning("claimed item is unreadable", extra={"connection_id": cid, "error": result.detail})
             item = ConnItem(cid, "", "STARTED", self.session.session_id, 0, 0, -1)
-        last_seq = item.last_seq if item.last_seq >= 0 else None
         cursor = self.sink.cursor(cid, item.lease_epoch, item.last_seq)  # -1: nothing written yet
         now = self.clock.monotonic()
         held = Held(item, item.lease_epoch, cursor, None, deadline=self._item_deadline(result.sent_at),
@@ -577,7 +576,7 @@ class Shard:
                     checkpointed_at=now - random.uniform(0, self.cfg.lease.checkpoint_idle_s))
         self.held[cid] = held
         # Parked (counted once, as unparseable: it has no URL to be bad) until a `ctl start` fixes it.
-        held.conn = None if unreadable else self._connect(item, cursor, last_seq)
+        held.conn = None if unreadable else self._connect(item, cursor, _resume_point(item))
 
     def _connect(self, item: ConnItem, cursor: Cursor, last_seq: int | None) -> Connection | None:
         try:
@@ -1045,7 +1044,7 @@ class Shard:
         if self.held.get(cid) is not h or h.releasing:
             return
         h.item = item
-        last = h.conn.last_received if h.conn is not None else (item.last_seq if item.last_seq >= 0 else None)
+        last = h.conn.last_received if h.conn is not None else _resume_point(item)
         h.conn = self._connect(item, h.cursor, last)  # same cursor: seqs keep increasing on it
 
     async def _quiesce(self, entries: list[tuple[str, Held]]) -> float:
@@ -1206,6 +1205,16 @@ class Shard:
 _MISSING_CODES = frozenset({"ResourceNotFoundException", "AWS.SimpleQueueService.NonExistentQueue",
                             "QueueDoesNotExist"})
 _NO_CREDENTIALS = frozenset({"NoCredentialsError", "PartialCredentialsError"})
+
+
+def _resume_point(item: ConnItem) -> int | None:
+    """The last seq to resume after (from_seq = it + 1).  An item with no ``last_seq`` whose first tenure
+    this is connects without ``from_seq`` (SPEC §5); one already owned before (epoch > 1) may have had
+    messages written before any checkpoint, so it asks for everything the upstream still has (-1:
+    from_seq=0, which also keeps seq 0 of an upstream numbering from 0)."""
+    if item.last_seq >= 0:
+        return item.last_seq
+    return None if item.lease_epoch <= 1 else -1
 
 
 class _Transient(Exception):

@@ -437,7 +437,7 @@ class Connection:
             self.stats.inc("upstream_duplicates_total")
             return False
         self._fresh, self._suspect = False, None
-        if seq > last + 1:
+        if seq > last + 1 and not (last == -1 and seq == 1):  # from_seq=0 to an upstream numbering from 1
             self._gap(last, seq)
         return True
 

@@ -1037,3 +1037,62 @@ def _judge_good(cfg: Config, up: UpstreamProc, good: dict[str, str]) -> Verdict:
     behind = {sid: streams[sid]["produced"] - max(report.seqs[sid]) for sid in streams}
     assert all(n <= 25 for n in behind.values()), f"good streams far behind: {behind}"
     return check(report, streams, margin_ms=1000)
+
+
+# ======================================================================================= 6. process pause
+
+PAUSE_TTL_S = float(FAST_TIMINGS["FLEETD_LEASE_TTL_S"])
+PAUSE_MARGIN_S = float(FAST_TIMINGS["FLEETD_SAFETY_MARGIN_S"])
+
+
+@pytest.mark.timeout(LONG_TIMEOUT_S)
+def test_a_paused_shard_streams_and_checkpoints_nothing_it_lost(cfg: Config, tmp_path: Path, long_run: bool) -> None:
+    """One of two shards is SIGSTOPped for longer than its TTL while its peer takes its streams over, then
+    SIGCONTed: on resuming, its timers fire late and its flushes may run before its fence loop, yet it
+    must not write a message nor a checkpoint for anything it lost (write windows must not overlap), and
+    it must go on running and take a share again.  The fake upstream pings its clients every second and
+    drops a silent one, as a real upstream drops a paused client's socket.
+
+    Recovery: from the SIGSTOP (the session expires first: TTL + margin, then the peer's reconcile)."""
+    up = UpstreamProc(tmp_path, rate=5.0, ping_s=1.0)
+    ids = [f"p{i:04d}" for i in range(30)]
+    seed_items(cfg, {cid: up.url(cid) for cid in ids})
+    fleet = Fleet(cfg, tmp_path, up, ids, env={"FLEETD_MAX_CONNECTIONS_PER_SHARD": "40"})
+    try:
+        fleet.start("a")
+        fleet.start("b")
+        fleet.wait_started()
+        wait_for(lambda: all_owned_by_live(fleet), 30, 0.25, "all 30 claimed")
+        wait_streaming(up, ids, time.monotonic(), 20)
+        for trial in range(trials(long_run)):
+            _pause_trial(fleet, trial)
+        fleet.stop()
+    finally:
+        fleet.close()
+        up.stop()
+
+
+def _pause_trial(fleet: Fleet, trial: int) -> None:
+    rng = rng_for("process_pause", trial)
+    wait_for(lambda: sum(1 for s, n in fleet.holdings().items() if s and n) == 2, 60, 0.5, "both shards holding")
+    victim = rng.choice(sorted(s for s, n in fleet.holdings().items() if s and n))
+    pause_s = PAUSE_TTL_S + PAUSE_MARGIN_S + rng.uniform(2.0, 6.0)
+    proc = fleet.procs[victim]
+    proc.signal(signal.SIGSTOP)
+    hit = time.monotonic()
+    try:
+        wait_for(lambda: fleet.holdings().get(victim, 0) == 0 and all_owned_by_live(fleet), pause_s, 0.2,
+                 "the peer to take the paused shard's streams")
+        recovery = wait_streaming(fleet.up, fleet.ids, hit, pause_s)
+        time.sleep(max(0.0, hit + pause_s - time.monotonic()))
+    finally:
+        proc.signal(signal.SIGCONT)
+    time.sleep(3.0)  # it resumes, fences, opens a new session
+    settle_sink()
+    fleet.assert_alive()
+    verdict = judge(fleet.cfg, fleet.up, fleet.ids, margin_ms=0)
+    record("process_pause", trial, verdict, round(recovery, 3), seed=SEED, paused_s=round(pause_s, 2))
+    print(f"pause trial {trial}: {victim} paused {pause_s:.1f} s, streaming again after {recovery:.2f} s")
+    assert_ok(verdict, f"process pause trial {trial}", fleet.cfg)
+    problems = fleet.problems()
+    assert not problems, "unexpected log lines:\n" + "\n".join(problems[:10])
