@@ -31,7 +31,8 @@ Modelled:
 Not modelled: capacity, throttling and UnprocessedItems/UnprocessedKeys (a fault layer injects
 those), transactions, PartiQL, LSIs, streams, TTL deletion, table/index creation delays, the
 legacy parameters (Expected, AttributeUpdates, KeyConditions, QueryFilter, AttributesToGet),
-parallel Scan segments, Scan of an index, ReturnConsumedCapacity.  UPDATED_OLD / UPDATED_NEW
+ReturnConsumedCapacity.  Parallel scans split items by a stable hash of their key, not as DynamoDB
+does (which items fall in which segment is unspecified there too).  UPDATED_OLD / UPDATED_NEW
 return whole top-level attributes even when a nested path was updated.  Numbers are exact
 (Python int / Decimal) and returned in canonical form.
 """
@@ -43,6 +44,7 @@ import copy
 import heapq
 import re
 import time
+import zlib
 from collections.abc import Callable, Iterable
 from decimal import Decimal, InvalidOperation, localcontext
 from operator import itemgetter
@@ -1111,6 +1113,16 @@ class _Part:
 _first = itemgetter(0)
 
 
+def _segment_filter(p: dict[str, Any]) -> Callable[[Key], bool]:
+    """Which table keys one segment of a parallel scan covers (a stable hash of the key)."""
+    if "Segment" not in p and "TotalSegments" not in p:
+        return lambda key: True
+    total, segment = int(p.get("TotalSegments", 0)), int(p.get("Segment", -1))
+    if not 1 <= total <= 1_000_000 or not 0 <= segment < total:
+        raise _invalid("Segment and TotalSegments must be given together, 0 <= Segment < TotalSegments")
+    return lambda key: zlib.crc32(repr(key).encode()) % total == segment
+
+
 class _Index:
     """A sorted view of a table by (hash, range, table key), with images that become visible late.
 
@@ -1400,7 +1412,7 @@ _SERVICE: list[Any] = []
 _UPDATE_RETURNS = frozenset({"NONE", "ALL_NEW", "ALL_OLD", "UPDATED_NEW", "UPDATED_OLD"})
 _SELECTS = frozenset({"ALL_ATTRIBUTES", "ALL_PROJECTED_ATTRIBUTES", "SPECIFIC_ATTRIBUTES", "COUNT"})
 _LEGACY = ("Expected", "AttributeUpdates", "KeyConditions", "QueryFilter", "ScanFilter", "AttributesToGet",
-           "ConditionalOperator", "Segment", "TotalSegments")
+           "ConditionalOperator")
 _CREATED = "2026-01-01T00:00:00+00:00"
 
 
@@ -1817,18 +1829,34 @@ class SimDynamo:
         return (images[order[i]] for i in positions)
 
     def scan(self, p: dict[str, Any]) -> dict[str, Any]:
+        """Scan of the table or of a GSI (its lagged view), whole or one segment of a parallel scan."""
         t = self.table(p["TableName"])
-        if p.get("IndexName") is not None:
-            raise _invalid("SimDynamo does not model Scan of an index")
+        index_name = p.get("IndexName")
+        view = None if index_name is None else self._view(t, index_name, p)
         values, (filt, proj) = _prepare(p, (("filter", "FilterExpression"), ("proj", "ProjectionExpression")))
-        count_only = _select(p, None, None, proj)
+        count_only = _select(p, index_name, view, proj)
         limit = _limit(p)
-        order = t.ordered_keys()
+        segment = _segment_filter(p)
         start = p.get("ExclusiveStartKey")
-        lo = 0 if start is None else bisect.bisect_right(order, t.key(start))
-        items, sizes = t.items, t.sizes
-        rows: Iterable[tuple[Item, int]] = ((items[order[i]], sizes[order[i]]) for i in range(lo, len(order)))
-        return _page(rows, limit, filt, proj, values, t.key_names, count_only)
+        if view is None:
+            order = t.ordered_keys()
+            lo = 0 if start is None else bisect.bisect_right(order, t.key(start))
+            items, sizes = t.items, t.sizes
+            rows: Iterable[tuple[Item, int]] = ((items[k], sizes[k]) for k in order[lo:] if segment(k))
+            return _page(rows, limit, filt, proj, values, t.key_names, count_only)
+        view.advance(self._now())
+        entries = [(k, img) for h in sorted(view.parts) for k, img in self._index_entries(view, view.parts[h])]
+        if start is not None:
+            after = t.key({n: start[n] for n in (t.hash_name, t.range_name) if n and n in start})
+            entries = entries[next((i + 1 for i, (k, _) in enumerate(entries) if k == after), len(entries)):]
+        return _page((img for k, img in entries if segment(k)), limit, filt, proj, values, view.key_names,
+                     count_only)
+
+    @staticmethod
+    def _index_entries(view: _Index, part: _Part) -> Iterable[tuple[Key, tuple[Item, int]]]:
+        for sk in part.order:
+            key = sk[1] if view.range_name else sk
+            yield key, part.images[key]
 
     # ----- tables
 

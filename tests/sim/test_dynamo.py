@@ -603,3 +603,34 @@ def test_speed() -> None:
     print(f"\nSimDynamo: UpdateItem (claim, ALL_NEW) {update_us:.1f} us, GSI Query of 20 keys {query_us:.1f} us, "
           f"BatchWriteItem of 25 puts {batch_us:.1f} us; 10,000 claims in {total_s:.2f} s")
     assert total_s < 5.0
+
+
+def test_parallel_scan_of_an_index_covers_each_owned_item_once() -> None:
+    """The orphan sweep's read: segments of ``by_owner`` (keys only, sparse), paged."""
+    cfg = config.load(env={})
+    d = SimDynamo(now_ms=lambda: 0)
+    for t in schema.TABLES:
+        d.handle("CreateTable", schema.create_table_request(t, cfg.aws))
+    owned = set()
+    for i in range(60):
+        item = {"connection_id": {"S": f"c{i}"}, "desired_state": {"S": "STARTED"}, "lease_expires_at_ms": {"N": "0"}}
+        if i % 3 == 0:
+            item["lease_owner"] = {"S": f"o{i % 5}"}
+            owned.add((f"c{i}", f"o{i % 5}"))
+        d.handle("PutItem", {"TableName": cfg.aws.connections_table, "Item": item})
+    got: list[tuple[str, str]] = []
+    for segment in range(4):
+        start: dict[str, Any] | None = None
+        while True:
+            p: dict[str, Any] = {"TableName": cfg.aws.connections_table, "IndexName": schema.OWNER_INDEX,
+                                 "Segment": segment, "TotalSegments": 4, "Limit": 2}
+            if start:
+                p["ExclusiveStartKey"] = start
+            r = d.handle("Scan", p)
+            got += [(k["connection_id"]["S"], k["lease_owner"]["S"]) for k in r["Items"]]
+            start = r.get("LastEvaluatedKey")
+            if not start:
+                break
+    assert sorted(got) == sorted(owned)
+    with pytest.raises(ClientError, match="Segment"):
+        d.handle("Scan", {"TableName": cfg.aws.connections_table, "Segment": 4, "TotalSegments": 4})
