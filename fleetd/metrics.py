@@ -92,6 +92,11 @@ REQUIRED: tuple[Family, ...] = (
            _sets("result", *_RESULTS)),
     Family("rebalance_given_back_total", "counter",
            "Handed connections freed again: more than the shard had room for."),
+    Family("lease_claims_orphaned_total", "counter",
+           "Claims won too late to be used (session given up or item lease past its deadline), given back."),
+    Family("orphans_freed_total", "counter",
+           "Connections the orphan sweep freed: owned by a session that no longer exists."),
+    Family("orphan_sweep_errors_total", "counter", "Orphan sweeps that failed (retried at the next period)."),
     Family("dynamodb_requests_total", "counter", "DynamoDB requests by operation and outcome.",
            tuple({"op": op, "outcome": "won"} for op in ("UpdateItem", "BatchWriteItem", "Query"))),
 )
