@@ -182,6 +182,8 @@ class Shard:
         self.receiving_until = 0.0  # below our share until then: watch for streams handed to us
         self.orphan_segment = random.randrange(ORPHAN_SEGMENTS)  # the segment of `by_owner` swept last
         self.announced: set[str] = set()  # dead sessions named by DEAD_SESSION hints, taken over first
+        self.tasks: set[asyncio.Task[None]] = set()  # see _spawn
+        self.strays_check_at = 0.0  # monotonic: look for items we own but do not hold (0: not due)
         self.session = SessionState()
         self.capacity = cfg.runtime.max_connections_per_shard
         self.stopping: asyncio.Event | None = None
@@ -376,7 +378,9 @@ class Shard:
         finally:
             renewing.pop(cid, None)  # due again at once if it failed: retried on the next tick
         self.stats.inc("lease_renewals_total", result=outcome.value)
-        if outcome is Outcome.WON:
+        if outcome is Outcome.WON and self.clock.monotonic() < h.deadline:
+            # Only a lease not yet at its deadline is extended: past it, the stream may already have
+            # been fenced (by the fence loop or at a send), and a deadline is never revived.
             h.deadline = started + self.cfg.lease.lease_ttl_s - self.cfg.lease.safety_margin_s
         elif outcome is Outcome.LOST and self.held.get(cid) is h:
             self._lose(cid, "renewal_lost")
@@ -405,10 +409,14 @@ class Shard:
             # A peer handed us streams while our own view of the fleet did not have us watching.
             self.session.handed_seen = handed
             self.receiving_until = max(self.receiving_until, self.clock.monotonic() + 2 * RECEIVE_POLL_S)
-        if outcome is Outcome.WON:
+        if outcome is Outcome.WON and self.clock.monotonic() < self.session.deadline:
             self.session.deadline = max(self.session.deadline,
                                         started + self.cfg.lease.lease_ttl_s - self.cfg.lease.safety_margin_s)
             return True
+        if outcome is Outcome.WON:
+            # Answered at or past the deadline: streams may already be fenced (at a send, or by the fence
+            # loop), so the session is not revived; the fence loop replaces it.
+            return False
         if outcome is Outcome.LOST:
             # Expired or declared dead (we were partitioned too long): it can never come back.
             log.warning("session lost", extra={"session_id": sid})
@@ -440,14 +448,23 @@ class Shard:
         The abandon is synchronous, before any await: every stream is fenced and the generation
         moves on, so no answer sent under the old session is applied from here on.  Then the
         tombstone (best effort: unwritten, the session expires and a peer writes it)."""
-        if self.session.abandoned:
-            return  # already being replaced (heartbeat vs. watchdog)
-        self._fence_all(reason)
-        old = self.session.abandon()
+        old = self._abandon_now(reason)
+        if old is not None:  # None: already being replaced (heartbeat vs. watchdog)
+            await self._reopen(old)
+
+    async def _reopen(self, old: str) -> None:
+        """After an abandon: the tombstone, then a new session."""
         async with self.replacing:
             with suppress(TimeoutError):
                 await asyncio.wait_for(self.leases.expire_session(old), self.cfg.aws.aws_timeout_s)
             await self._open_replacement()
+
+    def _abandon_now(self, reason: str) -> str | None:
+        """Fence every stream and give the session up, synchronously; its id, or None if already given up."""
+        if self.session.abandoned:
+            return None
+        self._fence_all(reason)
+        return self.session.abandon()
 
     async def _open_replacement(self) -> None:
         assert self.stopping is not None
@@ -468,7 +485,23 @@ class Shard:
         if h is None or h.cursor is not cur:
             return False
         now = self.clock.monotonic()
-        return self.session.live(now) and (self.cfg.lease.lease_mode != "item" or now < h.deadline)
+        if not self.session.live(now):
+            old = self._abandon_now("send_deadline")  # past the deadline before the fence loop's tick
+            if old is not None:
+                self.stats.inc("self_fence_total")
+                self._spawn(self._reopen(old))
+            return False
+        if self.cfg.lease.lease_mode == "item" and now >= h.deadline:
+            self.stats.inc("self_fence_total")
+            self._lose(cur.connection_id, "send_deadline")
+            return False
+        return True
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` as a task the shard keeps a reference to until it ends."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
     def _forget(self, cid: str, h: Held) -> None:
         """A stream released or handed over: drop this record of it (never a newer one)."""
@@ -508,6 +541,8 @@ class Shard:
         finally:
             self.claiming.discard(cid)
         self.stats.inc("lease_claims_total", result=result.outcome.value)
+        if result.outcome is Outcome.RETRYABLE:
+            self._suspect_strays()  # the claim may still land, owned by us and held by nobody
         if result.bad_item:
             self._mark_unclaimable(cid, result.detail)
         if result.outcome is Outcome.WON and not self._usable(result, generation):
@@ -541,6 +576,12 @@ class Shard:
                 await asyncio.wait_for(self.hints.send_start([cid]), self.cfg.aws.aws_timeout_s)
         except Exception as e:  # the orphan sweep or the dead session's takeover frees it later
             log.warning("could not give back a late claim", extra={"connection_id": cid, "error": repr(e)})
+
+    def _suspect_strays(self) -> None:
+        """An ownership write of ours ended ambiguously (it may land after every check): look for items
+        we own but do not hold once it can no longer land, instead of at the periodic scan."""
+        window = self.cfg.aws.aws_timeout_s * self.cfg.aws.aws_max_attempts
+        self.strays_check_at = max(self.strays_check_at, self.clock.monotonic() + window)
 
     def _skipped(self, cid: str) -> bool:
         until = self.unclaimable.get(cid)
@@ -647,7 +688,9 @@ class Shard:
             return False
         if self.cfg.lease.lease_mode == "session":
             await self._take_over_dead()
-        if rounds % _SELF_ADOPT_EVERY == _SELF_ADOPT_EVERY - 1:
+        suspected = 0 < self.strays_check_at <= self.clock.monotonic()
+        if suspected or rounds % _SELF_ADOPT_EVERY == _SELF_ADOPT_EVERY - 1:
+            self.strays_check_at = 0.0
             await self._adopt_own_strays()
         return await self._claim_free()
 
@@ -766,6 +809,8 @@ class Shard:
             # Stopped since it was handed to us: free it, or it stays ours and unstreamed for good.
             lost = [cid for cid, o in zip(take, outcomes, strict=True) if o is Outcome.LOST]
             await _bounded(lost, self.cfg.lease.claim_concurrency, lambda cid: self.leases.free_stopped(cid, me))
+            # Only what is still neither held nor being claimed (a concurrent claim may have won one).
+            excess = [cid for cid in excess if cid not in self.held and cid not in self.claiming]
             if excess and self._may_claim() and me == self.session.session_id:
                 await self._give_back(excess, me)
 
@@ -1055,6 +1100,10 @@ class Shard:
         await asyncio.gather(*(h.conn.close() for _, h in entries if h.conn is not None))
         phase_s = min(5.0, self.cfg.runtime.shutdown_budget_s / 4)
         await self.sink.wait_durable(self.sink_ddb, [h.cursor for _, h in entries], timeout_s=phase_s)
+        # Nothing more is written for them once the write that hands them on may be sent: what is not
+        # durable now is after their final last_seq, and the next owner resumes from it.
+        for _, h in entries:
+            self.sink.deactivate(h.cursor)
         return self.clock.monotonic() + phase_s
 
     async def _release_many(self, ids: list[str], hint: bool) -> None:
@@ -1071,6 +1120,8 @@ class Shard:
             outcome = await _retrying(lambda: self.leases.release(
                 cid, h.item.lease_owner or self.session.session_id, h.epoch, h.cursor.last_seq), until, self.clock)
             self._forget(cid, h)
+            if outcome is Outcome.RETRYABLE:
+                self._suspect_strays()  # it may still be ours: then we adopt it again, or free it if stopping
             self.stats.inc("lease_releases_total", result=outcome.value)
             if stream is not None and outcome is Outcome.WON:
                 stream.add(cid)

@@ -233,6 +233,7 @@ class Connection:
     """A leased upstream stream (see module docstring for the protocol)."""
 
     __slots__ = (
+        "_connected_once",
         "_fresh",
         "_hung_up",
         "_resumed",
@@ -282,6 +283,7 @@ class Connection:
         self._fresh = True  # no new frame on this socket yet (duplicates do not count)
         self._resumed = False  # this socket asked for from_seq
         self._hung_up = False  # we closed this socket over an anomaly: ignore what it still delivers
+        self._connected_once = False  # a socket of this tenure completed its handshake
         self._transport: WSTransport | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -364,6 +366,7 @@ class Connection:
             return
         self._transport = transport
         self.connected = True
+        self._connected_once = True
         if self.paused:
             transport.underlying_transport.pause_reading()
         try:
@@ -375,9 +378,14 @@ class Connection:
             self.connected = False
 
     def _connect_url(self) -> str:
-        if self.cfg.resume and self.last_received is not None:
+        """The first connect of a stream with no resume point asks for no ``from_seq`` (SPEC §5); once a
+        socket was up, seqs may have been produced that it never delivered, so a reconnect with still
+        nothing received asks for everything the upstream has (``from_seq=0``)."""
+        if not self.cfg.resume:
+            return self.url
+        if self.last_received is not None:
             return resume_url(self.url, self.cfg.resume_param, self.last_received + 1)
-        return self.url
+        return resume_url(self.url, self.cfg.resume_param, 0) if self._connected_once else self.url
 
     def _log_failure(self, e: Exception) -> None:
         self.stats.inc("upstream_connect_errors_total", kind=type(e).__name__)
