@@ -74,6 +74,7 @@ def _batch(args: argparse.Namespace) -> int:
             _account(totals, r)
             if out is not None:
                 out.write(json.dumps(r.to_json()) + "\n")
+                out.flush()
             if r.violations:
                 first = r.details[0] if r.details else {}
                 print(f"seed {r.seed}: {', '.join(r.invariants)} — {first.get('detail', '')}", flush=True)

@@ -48,9 +48,14 @@ class SocketSink(Protocol):
 
 
 class ProcLike(Protocol):
-    name: str
-    loop: asyncio.AbstractEventLoop
-    sockets: set[Any]
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+
+    @property
+    def sockets(self) -> set[Any]: ...
 
 
 @dataclass(slots=True)

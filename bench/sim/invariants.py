@@ -19,6 +19,10 @@ Continuous checks
     ``lease_owner``: someone writes a stream after a peer may have claimed it.
     (Checkpoint, release and push are conditional on owner and epoch, so they cannot
     be applied by the wrong owner; they are not checked again here.)
+``busy_loop``
+    A process keeps scheduling work at one virtual instant (thousands of loop rounds): in
+    real time, a spin that burns a CPU.  Virtual time is then charged as CPU time would be
+    (see ``vloop.Scheduler._charge_spin``) so the run goes on.
 ``checkpoint_ahead``
     When a write that sets ``last_seq`` on a connection item is applied, every seq from
     the feed's first seq through that ``last_seq`` is already durable in the messages
@@ -57,13 +61,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from botocore.exceptions import ClientError
-
 from bench.sim.net import Request
 
 TAIL_S = 4.0
 STOP_SLACK_S = 2.0
 MAX_DETAILS = 20
+MAX_PER_INVARIANT = 3  # details kept per invariant (the counts are complete)
 _SETS_LAST_SEQ = re.compile(r"\blast_seq\s*=\s*(:\w+)")
 
 
@@ -116,11 +119,12 @@ class Checker:
         self.contiguous: dict[str, int] = {}  # highest seq with every seq from first durable
         self.timelines: dict[str, Timeline] = {}
         self._items: dict[str, dict[str, Any]] = {}
+        self.spinners: set[str] = set()
         self.trace: Callable[[str], None] | None = None
 
     def fail(self, name: str, detail: str) -> None:
         self.counts[name] = self.counts.get(name, 0) + 1
-        if len(self.violations) < MAX_DETAILS:
+        if self.counts[name] <= MAX_PER_INVARIANT and len(self.violations) < MAX_DETAILS:
             self.violations.append(Violation(name, self.now(), detail))
         if self.trace:
             self.trace(f"INVARIANT BROKEN {name}: {detail}")
@@ -156,6 +160,13 @@ class Checker:
                 self.fail("one_streamer_socket", f"{cid}: open sockets from {sorted(procs)} "
                                                  f"(running: {sorted(live)})")
         self.dirty.clear()
+
+    def spinning(self, procs: list[str]) -> None:
+        """A busy loop: some process scheduled work at one instant thousands of times (CPU burnt)."""
+        for proc in procs:
+            if proc not in self.spinners:
+                self.spinners.add(proc)
+                self.fail("busy_loop", f"{proc} keeps running callbacks without time passing (a spin)")
 
     # ----- requests ------------------------------------------------------------------------------------
 
@@ -300,12 +311,9 @@ class Checker:
                 until = tl.changes[i + 1][0] if i + 1 < len(tl.changes) else end
                 deadline = max(t, faults_until) + bound_s
                 for r in self.socks:
-                    if r.cid == cid and r.opened < until and (r.closed if r.closed is not None else end) > deadline:
-                        if deadline < until:
-                            self.fail("stopped_streaming", f"{cid} stopped at {t:.3f}: {r.proc}'s socket "
-                                                           f"still open after {deadline:.3f}")
-                            break
+                    closed = r.closed if r.closed is not None else end
+                    if r.cid == cid and r.opened < until and closed > deadline and deadline < until:
+                        self.fail("stopped_streaming", f"{cid} stopped at {t:.3f}: {r.proc}'s socket "
+                                                       f"still open after {deadline:.3f}")
+                        break
 
-
-def is_client_error(e: Exception, code: str) -> bool:
-    return isinstance(e, ClientError) and e.response.get("Error", {}).get("Code") == code

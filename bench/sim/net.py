@@ -328,7 +328,8 @@ def _final(err: Exception, op: str, attempt: int) -> Exception:
         return err
     response = copy.deepcopy(err.response)
     response.setdefault("ResponseMetadata", {})["RetryAttempts"] = attempt - 1
-    return ClientError(response, op)  # type: ignore[arg-type]
+    final: Exception = ClientError(response, op)
+    return final
 
 
 class DynamoClient(SimClient):

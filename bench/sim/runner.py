@@ -59,7 +59,7 @@ def run_seed(seed: int, long: bool = False, scenario: str = "", trace: bool = Fa
         world.teardown()
     ck = world.checker
     result = SeedResult(seed, scenario, sum(ck.counts.values()), dict(sorted(ck.counts.items())),
-                        [v.to_json() for v in ck.violations[:5]], round(world.shard_seconds / 60, 3),
+                        [v.to_json() for v in ck.violations[:10]], round(world.shard_seconds / 60, 3),
                         round(time.perf_counter() - started, 4), world.net.sent, world.sched.steps, errors[:5],
                         world.trace_hash() if trace else "")
     return result, world

@@ -17,10 +17,9 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fleetd import config
-
 from bench.sim.net import FaultMix, Request
 from bench.sim.world import START, Params, World
+from fleetd import config
 
 
 @dataclass(frozen=True, slots=True)

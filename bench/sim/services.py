@@ -47,13 +47,6 @@ class DynamoService:
         self.tables.add(params["TableName"])
 
     def apply(self, op: str, params: dict[str, Any], reply: Reply) -> None:
-        if op == "DescribeTable":
-            name = params["TableName"]
-            if name in self.tables:
-                reply({"Table": {"TableName": name, "TableStatus": "ACTIVE"}})
-            else:
-                reply(client_error("ResourceNotFoundException", f"table {name} not found", op))
-            return
         try:
             resp = self.dynamo.handle(op, params)
         except ClientError as e:
@@ -122,12 +115,12 @@ class SqsService:
             raise client_error("AWS.SimpleQueueService.NonExistentQueue", "no such queue", op)
         return q
 
-    def _GetQueueUrl(self, params: dict[str, Any], reply: Reply) -> None:  # noqa: N802
+    def _GetQueueUrl(self, params: dict[str, Any], reply: Reply) -> None:
         q = self.queues.get(params["QueueName"])
         reply({"QueueUrl": q.url} if q else client_error("AWS.SimpleQueueService.NonExistentQueue",
                                                           "no such queue", "GetQueueUrl"))
 
-    def _SendMessage(self, params: dict[str, Any], reply: Reply) -> None:  # noqa: N802
+    def _SendMessage(self, params: dict[str, Any], reply: Reply) -> None:
         try:
             q = self._queue(params["QueueUrl"], "SendMessage")
         except ClientError as e:
@@ -137,7 +130,7 @@ class SqsService:
         reply({"MessageId": mid})
         self._serve(q)
 
-    def _SendMessageBatch(self, params: dict[str, Any], reply: Reply) -> None:  # noqa: N802
+    def _SendMessageBatch(self, params: dict[str, Any], reply: Reply) -> None:
         try:
             q = self._queue(params["QueueUrl"], "SendMessageBatch")
         except ClientError as e:
@@ -152,7 +145,7 @@ class SqsService:
         q.messages[mid] = _Message(mid, body, self.sched.vt.now)
         return mid
 
-    def _ReceiveMessage(self, params: dict[str, Any], reply: Reply) -> None:  # noqa: N802
+    def _ReceiveMessage(self, params: dict[str, Any], reply: Reply) -> None:
         try:
             q = self._queue(params["QueueUrl"], "ReceiveMessage")
         except ClientError as e:
@@ -204,29 +197,29 @@ class SqsService:
     def _wake_at(self, q: _Queue, when: float) -> None:
         self.sched.at(when, lambda: self._serve(q))
 
-    def _DeleteMessageBatch(self, params: dict[str, Any], reply: Reply) -> None:  # noqa: N802
+    def _DeleteMessageBatch(self, params: dict[str, Any], reply: Reply) -> None:
         try:
             q = self._queue(params["QueueUrl"], "DeleteMessageBatch")
         except ClientError as e:
             reply(e)
             return
-        for e in params["Entries"]:
-            mid = self._handles.get(e["ReceiptHandle"])
+        for entry in params["Entries"]:
+            mid = self._handles.get(entry["ReceiptHandle"])
             if mid is not None:
                 q.messages.pop(mid, None)
-        reply({"Successful": [{"Id": e["Id"]} for e in params["Entries"]], "Failed": []})
+        reply({"Successful": [{"Id": entry["Id"]} for entry in params["Entries"]], "Failed": []})
 
-    def _ChangeMessageVisibilityBatch(self, params: dict[str, Any], reply: Reply) -> None:  # noqa: N802
+    def _ChangeMessageVisibilityBatch(self, params: dict[str, Any], reply: Reply) -> None:
         try:
             q = self._queue(params["QueueUrl"], "ChangeMessageVisibilityBatch")
         except ClientError as e:
             reply(e)
             return
         now = self.sched.vt.now
-        for e in params["Entries"]:
-            m = q.messages.get(self._handles.get(e["ReceiptHandle"], ""))
-            if m is not None and m.receipt == e["ReceiptHandle"]:
-                m.visible_at = now + float(e["VisibilityTimeout"])
+        for entry in params["Entries"]:
+            m = q.messages.get(self._handles.get(entry["ReceiptHandle"], ""))
+            if m is not None and m.receipt == entry["ReceiptHandle"]:
+                m.visible_at = now + float(entry["VisibilityTimeout"])
                 self._wake_at(q, m.visible_at)
-        reply({"Successful": [{"Id": e["Id"]} for e in params["Entries"]], "Failed": []})
+        reply({"Successful": [{"Id": entry["Id"]} for entry in params["Entries"]], "Failed": []})
 

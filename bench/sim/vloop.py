@@ -28,6 +28,7 @@ Not modelled: CPU time (a callback takes zero virtual time), thread pools, signa
 from __future__ import annotations
 
 import asyncio
+import collections
 import heapq
 import itertools
 from asyncio import events
@@ -36,6 +37,16 @@ from typing import Any
 
 # asyncio's default (clock resolution) is irrelevant here; timers fire at their exact virtual time.
 _EPS = 1e-9
+
+
+SPIN_ROUNDS = 5_000  # rounds at one instant before a process is declared busy-looping
+SPIN_ROUNDS_AFTER = 100  # once one was, a lower bar (each detection costs a charge of virtual time)
+SPIN_CHARGE_S = 0.005  # virtual time a busy loop burns per detection
+MAX_SPINS = 20_000  # then give the seed up (a livelock)
+
+
+class Livelock(RuntimeError):
+    """Some process keeps scheduling work at the current instant: virtual time cannot advance."""
 
 
 class VirtualTime:
@@ -60,10 +71,14 @@ class _NullSelector:
 class VirtualLoop(asyncio.BaseEventLoop):
     """An event loop on virtual time with no I/O (see the module docstring)."""
 
+    # BaseEventLoop's private queues (CPython 3.11), declared for the type checker.
+    _ready: collections.deque[asyncio.Handle]
+    _scheduled: list[Any]  # asyncio.TimerHandle, whose private _when we read
+
     def __init__(self, vt: VirtualTime, name: str) -> None:
         super().__init__()
         self._vt = vt
-        self._selector = _NullSelector()  # type: ignore[assignment]
+        self._selector = _NullSelector()
         self._clock_resolution = _EPS
         self.name = name
         self.errors: list[str] = []
@@ -116,6 +131,9 @@ class Scheduler:
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self.before_advance: list[Callable[[], None]] = []  # run when every loop is idle at this instant
+        self.on_spin: list[Callable[[list[str]], None]] = []  # a busy loop was detected (names of the loops)
+        self.spin_rounds = SPIN_ROUNDS
+        self.spins = 0
         self.steps = 0
 
     def at(self, when: float, fn: Callable[[], None]) -> None:
@@ -137,9 +155,10 @@ class Scheduler:
 
     def _run_until(self, end: float) -> None:
         vt = self.vt
-        heap = self._heap
         while True:
-            self._run_instant()
+            if self._run_instant():
+                self._charge_spin()
+                continue
             for fn in self.before_advance:
                 fn()
             nxt = self._next_time()
@@ -148,31 +167,61 @@ class Scheduler:
                 return
             vt.now = max(vt.now, nxt)
 
-    def _run_instant(self) -> None:
-        """Step the loops with work due now, and run the world events due now, until none is left."""
+    def _run_instant(self) -> bool:
+        """Step the loops with work due now, and run the world events due now, until none is left;
+        True if some loop still had work after ``spin_rounds`` rounds (a busy loop).
+
+        A timer is due when its time is not after now (no tolerance: asyncio itself runs timers up
+        to its clock resolution early, and code that re-arms for the remaining nanoseconds must see
+        time advance, or it would spin at one instant).
+        """
         heap = self._heap
         vt = self.vt
-        ran = True
+        ran, rounds = True, 0
         while ran:
             ran = False
-            now = vt.now + _EPS
+            now = vt.now
             for loop in tuple(self.loops):
-                sched = loop._scheduled  # type: ignore[attr-defined]
-                if loop._ready or (sched and sched[0]._when <= now):  # type: ignore[attr-defined]
+                sched = loop._scheduled
+                if loop._ready or (sched and sched[0]._when <= now):
                     loop.step()
                     self.steps += 1
                     ran = True
-            while heap and heap[0][0] <= vt.now:
+            while heap and heap[0][0] <= now:
                 heapq.heappop(heap)[2]()
                 ran = True
+            rounds += 1
+            if ran and rounds > self.spin_rounds:
+                return True
+        return False
+
+    def _charge_spin(self) -> None:
+        """A process keeps scheduling work at one instant (in real life: it burns a CPU).  Report it,
+        and let virtual time pass as CPU time would: up to ``SPIN_CHARGE_S``, never past the next
+        world event or another timer."""
+        spinning = [lp.name for lp in self.loops if lp._ready]
+        for fn in self.on_spin:
+            fn(spinning)
+        self.spin_rounds = SPIN_ROUNDS_AFTER
+        self.spins += 1
+        if self.spins > MAX_SPINS:
+            raise Livelock(f"processes {spinning} spin without end at t={self.vt.now:.6f}")
+        nxt = self.vt.now + SPIN_CHARGE_S
+        if self._heap:
+            nxt = min(nxt, self._heap[0][0])
+        for loop in self.loops:
+            sched = loop._scheduled
+            if sched and self.vt.now < sched[0]._when < nxt:
+                nxt = sched[0]._when
+        self.vt.now = nxt
 
     def _next_time(self) -> float | None:
         best = self._heap[0][0] if self._heap else None
         for loop in self.loops:
-            sched = loop._scheduled  # type: ignore[attr-defined]
+            sched = loop._scheduled
             while sched and sched[0]._cancelled:
                 heapq.heappop(sched)
-            if loop._ready:  # type: ignore[attr-defined]
+            if loop._ready:
                 return self.vt.now
             if sched and (best is None or sched[0]._when < best):
                 best = sched[0]._when

@@ -47,18 +47,17 @@ from contextlib import AsyncExitStack, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetd import config
+from bench.sim.feeds import Feed, Upstreams
+from bench.sim.invariants import Checker
+from bench.sim.net import CloudWatchClient, DynamoClient, FaultMix, Network, SqsClient
+from bench.sim.services import CloudWatchService, DynamoService, SqsService
+from bench.sim.vloop import Livelock, Scheduler, VirtualLoop, VirtualTime
+from fleetd import config, items
 from fleetd.aws import Clients
 from fleetd.config import Config
 from fleetd.lease import LeaseStore
 from fleetd.schema import TABLES, create_table_request
 from fleetd.shard import Environment, Shard
-
-from bench.sim.feeds import Feed, Upstreams
-from bench.sim.invariants import Checker
-from bench.sim.net import CloudWatchClient, DynamoClient, FaultMix, Network, SqsClient
-from bench.sim.services import CloudWatchService, DynamoService, SqsService
-from bench.sim.vloop import Scheduler, VirtualLoop, VirtualTime
 
 START = 1000.0  # virtual monotonic time at which the world begins
 EPOCH_MS = 1_800_000_000_000  # wall clock (ms) at virtual time 0
@@ -249,6 +248,7 @@ class World:
         self.net.on_send.append(self.checker.on_send)
         self.net.on_apply.append(self.checker.on_apply)
         self.sched.before_advance.append(self.checker.before_advance)
+        self.sched.on_spin.append(self.checker.spinning)
         if trace:
             self.net.trace = self.ups.trace = self.checker.trace = self.say
         self.procs: list[Proc] = []
@@ -453,6 +453,9 @@ class World:
     def _order(self, loop: VirtualLoop) -> int:
         return next(p.order for p in self.procs if p.loop is loop)
 
+    def _new_task(self) -> None:
+        self._start_task(len(self.tasks))
+
     def kill_task(self, task: TaskState) -> None:
         self.say(f"task kill {task.task_id}")
         task.dead = True
@@ -517,7 +520,7 @@ class World:
             if live:
                 self.kill_task(rng.choice(live))
                 if rng.random() < 0.7:
-                    self.sched.at(self.vt.now + rng.uniform(0.5, 3.0), lambda: self._start_task(len(self.tasks)) and None)
+                    self.sched.at(self.vt.now + rng.uniform(0.5, 3.0), self._new_task)
         elif ev.kind.startswith("ctl_"):
             self._fire_ctl(ev)
         elif ev.kind.startswith("up_"):
@@ -552,7 +555,11 @@ class World:
 
     def run(self) -> None:
         self.setup()
-        self.sched.run_until(self.end)
+        try:
+            self.sched.run_until(self.end)
+        except Livelock as e:
+            self.checker.fail("livelock", str(e))
+            return
         self.final_checks()
 
     def final_checks(self) -> None:
@@ -607,11 +614,11 @@ def _drop_loop(loop: VirtualLoop) -> None:
         for task in list(asyncio.all_tasks(loop)):
             task._log_destroy_pending = False  # type: ignore[attr-defined]
             with suppress(BaseException):
-                task.get_coro().close()  # type: ignore[union-attr]
+                task.get_coro().close()
     finally:
         events._set_running_loop(None)
-    loop._ready.clear()  # type: ignore[attr-defined]
-    loop._scheduled.clear()  # type: ignore[attr-defined]
+    loop._ready.clear()
+    loop._scheduled.clear()
 
 
 def _timeline() -> Any:
@@ -620,19 +627,8 @@ def _timeline() -> Any:
 
 
 def ctl_start_params(cfg: Config, cid: str, url: str, now_ms: int) -> dict[str, Any]:
-    """The UpdateItem ``fleetd ctl start`` writes (fleetd/ctl.py ``_upsert_started``)."""
-    return {
-        "TableName": cfg.aws.connections_table,
-        "Key": {"connection_id": {"S": cid}},
-        "UpdateExpression": "SET desired_state = :started, ws_url = :url, updated_at_ms = :now, "
-                            "created_at_ms = if_not_exists(created_at_ms, :now), "
-                            "lease_expires_at_ms = if_not_exists(lease_expires_at_ms, :zero), "
-                            "lease_epoch = if_not_exists(lease_epoch, :zero), "
-                            "last_seq = if_not_exists(last_seq, :zero)",
-        "ExpressionAttributeValues": {":started": {"S": "STARTED"}, ":url": {"S": url}, ":now": {"N": str(now_ms)},
-                                      ":zero": {"N": "0"}},
-        "ReturnValues": "ALL_OLD",
-    }
+    """The UpdateItem ``fleetd ctl start`` writes: fleetd's own one writer of it (fleetd/items.py)."""
+    return dict(items.start_update(cfg.aws.connections_table, cid, url, now_ms), ReturnValues="ALL_OLD")
 
 
 def silence_fleetd(trace: Callable[[str], None] | None) -> None:
@@ -646,12 +642,17 @@ def silence_fleetd(trace: Callable[[str], None] | None) -> None:
         return
     root.setLevel(logging.INFO)
 
-    class _H(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            extra = {k: v for k, v in record.__dict__.items() if k in _EXTRA_KEYS}
-            trace(f"log {record.name} {record.getMessage()} {extra if extra else ''}")
+    root.addHandler(_TraceHandler(trace))
 
-    root.addHandler(_H())
+
+class _TraceHandler(logging.Handler):
+    def __init__(self, trace: Callable[[str], None]) -> None:
+        super().__init__()
+        self.trace = trace
+
+    def emit(self, record: logging.LogRecord) -> None:
+        extra = {k: v for k, v in record.__dict__.items() if k in _EXTRA_KEYS}
+        self.trace(f"log {record.name} {record.getMessage()} {extra if extra else ''}")
 
 
 _EXTRA_KEYS = frozenset({"connection_id", "session_id", "reason", "held", "error", "outcome", "dead_session", "to",
