@@ -388,8 +388,14 @@ class Shard:
     async def _fence_loop(self) -> None:
         """Watchdog: fence whatever reaches its deadline, however long a renewal call hangs."""
         assert self.stopping is not None
-        while not await _wait(self.stopping, min(0.25, self._next_deadline() - self.clock.monotonic())):
+        while not await _wait(self.stopping, self._until_next_check()):
             await self._enforce_deadlines()
+
+    def _until_next_check(self) -> float:
+        """At most 0.25 s; while the session is given up (deadline 0) a plain 0.25 s, not a spin."""
+        if self.session.abandoned:
+            return 0.25
+        return min(0.25, self._next_deadline() - self.clock.monotonic())
 
     def _next_deadline(self) -> float:
         if self.cfg.lease.lease_mode == "session" or not self.held:
