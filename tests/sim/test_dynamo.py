@@ -72,11 +72,19 @@ class Moto:
         return dict(result.result)
 
 
+class MotoCrashed(Exception):
+    """moto raised an internal error instead of answering (a moto bug): the two can no longer be compared."""
+
+
 def _run(backend: Any, op: str, params: dict[str, Any]) -> tuple[dict[str, Any] | None, ClientError | None]:
     try:
         return backend.handle(op, copy.deepcopy(params)), None
     except ClientError as e:
         return None, e
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        if isinstance(backend, Moto):
+            raise MotoCrashed(f"{op}: {type(e).__name__}: {e}") from e
+        raise
 
 
 def _clean(resp: dict[str, Any]) -> dict[str, Any]:
@@ -316,7 +324,7 @@ def _swallow(fn: Callable[..., None], *args: Any) -> None:
         fn(*args)
 
 
-@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=500, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(steps=st.lists(step_st, min_size=5, max_size=30), item_mode=st.booleans())
 def test_agrees_with_moto(steps: list[tuple[Any, ...]], item_mode: bool) -> None:
     client = DiffClient(SimDynamo(), Moto())
@@ -328,7 +336,12 @@ def test_agrees_with_moto(steps: list[tuple[Any, ...]], item_mode: bool) -> None
     async def run() -> None:
         for step in steps:
             await _step(store, client, clock, step)
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    except MotoCrashed:
+        # moto crashed (e.g. size() of a missing attribute); its state may now differ from what it should
+        # be, so the rest of this example cannot be compared.  Counted: the coverage test bounds it.
+        COVERAGE["moto crashed"] += 1
 
 
 def test_coverage_of_the_differential_test() -> None:
@@ -339,6 +352,7 @@ def test_coverage_of_the_differential_test() -> None:
     for key in ("UpdateItem ok", "UpdateItem ConditionalCheckFailedException", "UpdateItem ValidationException",
                 "Query ok", "BatchGetItem ok", "PutItem ok", "Scan ok", "GetItem ok"):
         assert COVERAGE[key] > 0, key
+    assert COVERAGE["moto crashed"] <= 25, "moto crashed on too many examples for the comparison to mean much"
 
 
 # ----- rules moto does not model --------------------------------------------------------------------
