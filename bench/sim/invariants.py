@@ -46,7 +46,8 @@ reconnect backoff is bounded by ``backoff_max_s``.
     the STARTED connections (two sockets are ``one_streamer_socket``'s business).
 ``orphan``
     No connection item is owned by a session that does not exist or is dead (expired
-    beyond the margin, or tombstoned) while no running shard has a socket for it.
+    beyond the margin, or tombstoned) while no running shard has a socket for it.  An
+    item whose own lease expired (item mode) is free whatever its ``lease_owner`` says.
 
 ``lost_seq``, ``not_streamed`` and ``orphan`` are only checked when the running shards'
 capacity covers the STARTED connections (a fleet whose every task was killed recovers
@@ -309,8 +310,10 @@ class Checker:
         for it in items:
             owner = it.get("lease_owner", {}).get("S", "")
             cid = it["connection_id"]["S"]
-            if not owner or any(self.running.get(r.proc) for r in self.open.get(cid, [])):
-                continue
+            expires = int(it.get("lease_expires_at_ms", {}).get("N", "0"))
+            if not owner or expires < now_ms - margin_ms or any(self.running.get(r.proc)
+                                                               for r in self.open.get(cid, [])):
+                continue  # free, an expired item lease (claimable by anyone), or streamed
             resp = self.dynamo.handle("GetItem", {"TableName": sessions_table, "ConsistentRead": True,
                                                   "Key": {"session_id": {"S": owner}}})
             sess = resp.get("Item")
