@@ -137,7 +137,7 @@ DEFAULTS = {"backoff_max_s": 5.0, "hint_wait_s": 5}
 
 
 def build_config(rng: random.Random, long: bool) -> Config:
-    profile = rng.choices((FAST, MEDIUM, DEFAULTS), (0.4, 0.2, 0.4) if long else (0.85, 0.15, 0.0))[0]
+    profile = rng.choices((FAST, MEDIUM, DEFAULTS), (0.05, 0.15, 0.8) if long else (0.85, 0.15, 0.0))[0]
     changes: dict[str, Any] = dict(profile)
     changes["lease_mode"] = "item" if rng.random() < 0.2 else "session"
     changes["rebalance_s"] = 0.0 if rng.random() < 0.4 else (30.0 if profile is DEFAULTS else 3.0)
