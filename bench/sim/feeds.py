@@ -312,7 +312,7 @@ class Upstreams:
         feed.sockets.append(tr)
         if self.trace:
             self.trace(f"socket open {proc.name} {cid} from_seq={query.get(self.resume_param, '-')}")
-        tr.listener.on_ws_connected(tr)
+        # picows's own ``on_ws_connected`` is typed for its WSTransport; fleetd does not override it.
         tr.start()
         return tr, tr.listener
 
