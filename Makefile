@@ -4,12 +4,12 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test setup lint typecheck pytest docs clean
+.PHONY: run test setup lint typecheck pytest sim docs clean
 
 run: setup
 	$(BIN)/fleetd dev
 
-test: setup lint typecheck pytest
+test: setup lint typecheck pytest sim
 
 setup: $(VENV)/.installed node_modules/.installed
 
@@ -31,6 +31,12 @@ typecheck:
 
 pytest:
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+# The deterministic simulation: SIM_SEEDS seeded schedules of fleetd's own shard code under adversarial
+# faults; exits non-zero on any invariant violation, naming the seed (replay: python -m bench.sim --seed N --trace).
+SIM_SEEDS ?= 10000
+sim:
+	$(BIN)/python -m bench.sim --seeds $(SIM_SEEDS) --jobs 2 --out .sim-results.jsonl
 
 # Regenerate docs/configuration.md from fleetd/config.py (tests/test_ops.py fails when it is stale).
 docs: setup

@@ -205,11 +205,57 @@ still depends on the machine).
 """
 
 
-def render(rows: Sequence[dict[str, Any]]) -> str:
+SIMULATION = """\
+## Simulation
+
+Randomized process-level trials sample the schedules a machine happens to produce; they rarely reach
+the interleavings that matter (an answer arriving just after a deadline, a write applied whose answer
+is lost and whose SDK retry lands seconds later). `python -m bench.sim` runs fleetd's own shard code —
+`Shard.run()` with its lease store, sink, hints and upstream listener — against simulated DynamoDB
+(`bench/sim/dynamo.py`: real expression semantics, checked against moto by a differential test, GSIs
+with per-write lag), SQS and upstreams, in virtual time, one event loop per simulated process, all
+driven by one seed. A failing seed replays exactly (`python -m bench.sim --seed N --trace`).
+
+**Fault model** (per seed: calm, moderate or brutal, with bursts). Every SDK attempt is applied at its
+arrival time whatever the caller does meanwhile, and may be delayed past any deadline, applied with its
+answer lost (the SDK retries the very same request), applied twice, throttled, answered 5xx or
+blackholed; the clients retry as botocore's standard mode does. Processes are SIGKILLed at any await,
+SIGTERMed at any moment, SIGSTOPped past their TTL and resumed, whole tasks killed (their supervisor
+expires a crashed shard's session and restarts it); clocks are skewed within the margin; items are
+started and stopped; upstreams replay from `from_seq`, number from 0 or 1, close, stall and refuse.
+
+**Invariants**, checked on the simulation's true timeline (`bench/sim/invariants.py` states each bound):
+`one_streamer_socket` (never two open upstream sockets for one connection among running processes),
+`stale_write` (no message write sent for a stream after a peer may have claimed it), `checkpoint_ahead`
+(a `last_seq` written only over seqs already durable), `lost_seq` (every produced seq in the messages
+table), `not_streamed` and `orphan` (once faults stop, every STARTED connection streamed again and no
+item left to a session that does not exist or is dead), `stopped_streaming` (a STOPPED connection
+closed in time) and `busy_loop` (no process spins without time passing).
+"""
+
+
+def simulation_section(summary: dict[str, Any] | None, regressions: Sequence[dict[str, Any]]) -> list[str]:
+    lines = [SIMULATION]
+    if summary:
+        lines += [f"**Last run** ({summary.get('provenance', 'provenance not recorded')}): "
+                  f"{summary['seeds']:,} seeds, {summary['violations']} violations, "
+                  f"{summary['simulated_shard_minutes']:,.0f} simulated shard-minutes in "
+                  f"{summary['wall_s']:,.0f} s of wall time.", ""]
+    if regressions:
+        lines += ["**Regression seeds** (`bench/sim/regressions.json`, run by `tests/sim/test_sim.py`): each "
+                  "reproduced a defect on the code named, and runs clean since its fix.", "",
+                  "| seed | defect | what it reproduced |", "|---:|---|---|"]
+        lines += [f"| {r['seed']} | {r['defect']} | {str(r['note']).replace('|', '/')} |" for r in regressions]
+        lines.append("")
+    return lines
+
+
+def render(rows: Sequence[dict[str, Any]], simulation: list[str] | None = None) -> str:
     summaries = fold(rows)
     lines = [INTRO, "## Summary", "", *summary_table(summaries), ""]
     for s in summaries:
         lines += section(s)
+    lines += simulation or []
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -217,13 +263,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=COMMAND, description=(__doc__ or "").splitlines()[0])
     p.add_argument("results", nargs="+", type=Path, help="JSON-lines files written via FLEETD_FAULTS_RESULTS")
     p.add_argument("--provenance", default="", help="a paragraph on where the records come from (code, machine)")
+    p.add_argument("--simulation", type=Path, help="the summary JSON of a `python -m bench.sim` run")
+    p.add_argument("--regressions", type=Path, default=Path("bench/sim/regressions.json"))
     args = p.parse_args(argv)
     try:
         rows = read_rows(args.results)
+        summary = orjson.loads(args.simulation.read_bytes()) if args.simulation else None
+        regressions = orjson.loads(args.regressions.read_bytes()) if args.regressions.exists() else []
     except (OSError, ValueError) as e:
         print(f"{COMMAND}: {e}", file=sys.stderr)
         return 1
-    page = render(rows)
+    page = render(rows, simulation_section(summary, regressions))
     if args.provenance:
         page = page.replace("\n## Summary\n", f"\n**Provenance.** {args.provenance}\n\n## Summary\n", 1)
     sys.stdout.write(page)

@@ -87,8 +87,6 @@ def test_batch_runs_in_parallel_in_seed_order() -> None:
     assert [r.requests for r in results] == [run_seed(s)[0].requests for s in (5, 6, 7, 8)]
 
 
-@pytest.mark.xfail(reason="issue 13: fleetd still has the confirmed defects (seq 0 lost on every seed with a "
-                          "feed numbered from 0); remove this mark once they are fixed", strict=False)
 def test_batch_of_seeds_has_no_violations() -> None:
     failing = [(r.seed, r.invariants) for r in run_many(list(range(BATCH_SEEDS)), jobs=2) if r.violations]
     assert not failing, failing[:20]
