@@ -468,15 +468,20 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     )
 
 
-async def _show(ctx: _Ctx, args: argparse.Namespace) -> int:
-    cid = _checked(validate_id, "connection id", args.connection_id)
+async def _read_item(ctx: _Ctx, cid: str) -> dict[str, Any]:
+    """The connection item (consistent read); an unknown id is a usage error."""
     table = ctx.cfg.aws.connections_table
     with _aws_errors("GetItem", f"table {table}"):
         resp = await ctx.clients.dynamodb.get_item(TableName=table, Key={"connection_id": _s(cid)},
                                                    ConsistentRead=True)
     if "Item" not in resp:
         raise _usage(f"unknown connection {cid!r} in table {table}")
-    raw = _plain_item(resp["Item"])
+    return dict(resp["Item"])
+
+
+async def _show(ctx: _Ctx, args: argparse.Namespace) -> int:
+    cid = _checked(validate_id, "connection id", args.connection_id)
+    raw = _plain_item(await _read_item(ctx, cid))
     item = {name: raw[name] for name in _show_names(raw)}
     if ctx.as_json:
         _print_json(item)
@@ -489,13 +494,7 @@ async def _release(ctx: _Ctx, args: argparse.Namespace) -> int:
     """The operator's escape hatch for an item the fleet does not take over by itself: never for a live
     owner (it may be streaming), and only with --force; the write is conditioned on owner and epoch."""
     cid = _checked(validate_id, "connection id", args.connection_id)
-    table = ctx.cfg.aws.connections_table
-    with _aws_errors("GetItem", f"table {table}"):
-        resp = await ctx.clients.dynamodb.get_item(TableName=table, Key={"connection_id": _s(cid)},
-                                                   ConsistentRead=True)
-    if "Item" not in resp:
-        raise _usage(f"unknown connection {cid!r} in table {table}")
-    item = ConnItem.parse(resp["Item"])
+    item = ConnItem.parse(await _read_item(ctx, cid))
     if not item.lease_owner:
         return _report_release(ctx, cid, "", "free", "nothing to release: it has no owner")
     fate = (await ctx.store.fate(item.lease_owner)).fate
