@@ -260,6 +260,7 @@ class World:
         self.ctl: Proc | None = None
         self.end = START + p.faults_until + p.bound_s
         self.shard_seconds = 0.0
+        self.last_resume = 0.0  # a paused process can act only from its SIGCONT on
 
     # ----- helpers -----------------------------------------------------------------------------------
 
@@ -446,6 +447,7 @@ class World:
         if proc.state != "paused":
             return
         self.say(f"proc SIGCONT {proc.name}")
+        self.last_resume = max(self.last_resume, self.vt.now)
         proc.state = "running"
         self.sched.add(proc.loop)
         self.sched.loops.sort(key=self._order)
@@ -577,7 +579,8 @@ class World:
             return
         ck.check_streamed(started, names, self.end, HANDOVER_S + aws.aws_timeout_s)
         ck.check_orphans(items, aws.sessions_table, self.true_ms(), int(le.safety_margin_s * 1000))
-        faults_until = START + self.p.faults_until
+        # A pause may outlast the fault window: a stopped stream's owner cannot close it while paused.
+        faults_until = max(START + self.p.faults_until, self.last_resume)
         ck.check_stopped(faults_until, le.desired_state_s + 1.0 + 2.0 + self.p.index_lag_ms[1] / 1000, self.end)
         for cid, tl in sorted(ck.timelines.items()):
             if tl.changes and tl.changes[0][0] <= START and all(s == "STARTED" for _, s in tl.changes):
