@@ -422,6 +422,8 @@ def test_a_new_shard_gets_its_share_without_loss_or_overlap(
     b: FleetdProc | None = None
     try:
         wait_for(lambda: held_by(cfg).get("", 0) == 0, 30, 0.5, "a claims all 60")
+        # Claimed is not yet connected: count each stream's connections once all 60 are attached.
+        wait_for(lambda: sum(s["attached"] for s in upstream.stats().values()) == 60, 20, 0.25, "a streams all 60")
         before = {cid: int(s["connections"]) for cid, s in upstream.stats().items()}
         b = start_shard(cfg, tmp_path, 0, task="b", **env)
 
