@@ -55,7 +55,7 @@ class ProcLike(Protocol):
     def loop(self) -> asyncio.AbstractEventLoop: ...
 
     @property
-    def sockets(self) -> set[Any]: ...
+    def sockets(self) -> dict[Any, None]: ...
 
 
 @dataclass(slots=True)
@@ -157,7 +157,7 @@ class SimTransport:
             return
         self.is_disconnected = True
         self.sink.closed(self.rec)
-        self.proc.sockets.discard(self)
+        self.proc.sockets.pop(self, None)
         if self in self.feed.sockets:
             self.feed.sockets.remove(self)
         for fut in self._waiters:
@@ -308,7 +308,7 @@ class Upstreams:
                           float(kw.get("auto_ping_reply_timeout", 5.0)))
         tr.listener = listener_factory()
         tr.rec = self.sink.opened(proc.name, cid)
-        proc.sockets.add(tr)
+        proc.sockets[tr] = None
         feed.sockets.append(tr)
         if self.trace:
             self.trace(f"socket open {proc.name} {cid} from_seq={query.get(self.resume_param, '-')}")

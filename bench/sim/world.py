@@ -208,7 +208,7 @@ class Proc:
     stop_requested: bool = False
     started_at: float = 0.0
     ended_at: float | None = None
-    sockets: set[Any] = field(default_factory=set)
+    sockets: dict[Any, None] = field(default_factory=dict)  # an ordered set: a crash closes them in order
     clients: Clients | None = None
     main: asyncio.Task[Any] | None = None
 
