@@ -51,9 +51,9 @@ def build_world(seed: int, long: bool = False, scenario: str = "", trace: bool =
 def run_seed(seed: int, long: bool = False, scenario: str = "", trace: bool = False) -> tuple[SeedResult, World]:
     started = time.perf_counter()
     world = build_world(seed, long, scenario, trace)
-    silence_fleetd(world.say if trace else None)
     try:
-        world.run()
+        with silence_fleetd(world.say if trace else None):
+            world.run()
     finally:
         errors = world.errors()
         world.teardown()

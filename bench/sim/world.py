@@ -35,6 +35,7 @@ in-flight requests always land); memory limits.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -42,7 +43,7 @@ import math
 import random
 import sys
 from asyncio import events
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AsyncExitStack, suppress
 from dataclasses import dataclass, field
 from typing import Any
@@ -640,18 +641,26 @@ def ctl_start_params(cfg: Config, cid: str, url: str, now_ms: int) -> dict[str, 
     return dict(items.start_update(cfg.aws.connections_table, cid, url, now_ms), ReturnValues="ALL_OLD")
 
 
-def silence_fleetd(trace: Callable[[str], None] | None) -> None:
-    """fleetd's logs off during runs; in a trace, each record becomes a ``log`` line."""
-    root = logging.getLogger("fleetd")
+@contextlib.contextmanager
+def silence_fleetd(trace: Callable[[str], None] | None) -> Iterator[None]:
+    """fleetd's logs off during a run (in a trace, each record becomes a ``log`` line); restored after, so
+    a run inside a test process leaves the loggers as it found them (caplog-based tests depend on it)."""
+    root, aio = logging.getLogger("fleetd"), logging.getLogger("asyncio")
+    saved = (root.handlers[:], root.propagate, root.level, aio.level)
     root.handlers[:] = []
     root.propagate = False
     if trace is None:
         root.setLevel(logging.CRITICAL + 1)
-        logging.getLogger("asyncio").setLevel(logging.CRITICAL + 1)
-        return
-    root.setLevel(logging.INFO)
-
-    root.addHandler(_TraceHandler(trace))
+        aio.setLevel(logging.CRITICAL + 1)
+    else:
+        root.setLevel(logging.INFO)
+        root.addHandler(_TraceHandler(trace))
+    try:
+        yield
+    finally:
+        root.handlers[:], root.propagate = saved[0], saved[1]
+        root.setLevel(saved[2])
+        aio.setLevel(saved[3])
 
 
 class _TraceHandler(logging.Handler):
