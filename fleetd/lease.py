@@ -474,6 +474,29 @@ class LeaseStore:
         )
         return outcome
 
+    async def bury_process(self, session_id: str, pid: int) -> Outcome:
+        """A crashed shard process's sessions, declared dead by its supervisor: ``session_id`` (the one it
+        last reported) and any other live session of the same ``task/shard/`` carrying the same ``pid``
+        (one it opened after its last report, e.g. a replacement).  A successor's sessions have another
+        pid and are left alone.  The outcome is ``session_id``'s."""
+        outcome = await self.expire_session(session_id)
+        prefix = session_id.rsplit("/", 1)[0] + "/"
+        for other in await self._sessions_with_prefix(prefix):
+            if other == session_id:
+                continue
+            record = await self._call("GetItem", TableName=self.sessions, ConsistentRead=True,
+                                      Key={"session_id": _s(other)}, ProjectionExpression="pid, dead_at_ms")
+            item = record.get("Item", {})
+            if item and "dead_at_ms" not in item and _num(item, "pid", -1) == pid:
+                await self.expire_session(other)
+        return outcome
+
+    async def _sessions_with_prefix(self, prefix: str) -> list[str]:
+        return [k["session_id"]["S"] async for k in self._query(
+            1000, TableName=self.sessions, IndexName=EXPIRY_INDEX, KeyConditionExpression="kind = :k",
+            FilterExpression="begins_with(session_id, :p)",
+            ExpressionAttributeValues={":k": _s(SESSION_KIND), ":p": _s(prefix)})]
+
     async def declare_dead(self, session_id: str) -> Outcome:
         """A peer's tombstone: only for a session expired beyond the skew on our clock (its owner fenced
         ``safety_margin_s`` before that on its own), and never twice.  WON: it is dead from now on."""

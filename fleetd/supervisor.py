@@ -203,8 +203,9 @@ def shard_entry(cfg: Config, index: int, predecessor: str | None, reports: Conne
 # ----- AWS helper (worker thread) ---------------------------------------------------------------------
 
 
-def expire_session(cfg: Config, session_id: str) -> str:
-    """End a dead shard's session now, so its successor may claim its items; returns the outcome.
+def expire_session(cfg: Config, session_id: str, pid: int = 0) -> str:
+    """End a dead shard's session now (and any later one its process ``pid`` opened without reporting it
+    yet), so its successor may claim its items; returns the outcome.
 
     Runs in a worker thread with a short-lived event loop: the supervisor's own
     loop never hosts AWS code.  Failures are logged; the session then expires on
@@ -214,7 +215,7 @@ def expire_session(cfg: Config, session_id: str) -> str:
 
     started = time.monotonic()
     try:
-        outcome = asyncio.run(_expire(cfg, session_id))
+        outcome = asyncio.run(_expire(cfg, session_id, pid))
     except Exception as e:
         log.warning("could not expire dead session", extra={"session_id": session_id,
                                                            "error": f"{type(e).__name__}: {e}"})
@@ -224,7 +225,7 @@ def expire_session(cfg: Config, session_id: str) -> str:
     return outcome
 
 
-async def _expire(cfg: Config, session_id: str) -> str:
+async def _expire(cfg: Config, session_id: str, pid: int) -> str:
     from aiobotocore.session import get_session
 
     from fleetd.aws import client_config, region_of
@@ -234,7 +235,7 @@ async def _expire(cfg: Config, session_id: str) -> str:
     async with get_session().create_client("dynamodb", region_name=region_of(cfg.aws),
                                            config=client_config(cfg.aws)) as ddb:
         store = LeaseStore(ddb, cfg.aws, cfg.lease, SystemClock(cfg.lease.clock_offset_ms))
-        return (await store.expire_session(session_id)).value
+        return (await store.bury_process(session_id, pid)).value
 
 
 def announce_dead(cfg: Config, session_id: str) -> None:
@@ -563,7 +564,7 @@ class Supervisor:
             slot.predecessor = sid
             # A successor held back by the crash-loop backoff (or never coming) would leave the
             # streams waiting for it, or for the peers' next reconcile: tell the peers instead.
-            slot.expiring = self._expire(sid)
+            slot.expiring = self._expire(sid, pid)
             if not restarting or slot.backoff_s > RESTART_SOON_S:
                 slot.announcing = self._announce(slot.expiring, sid)
         if self.stopping:
@@ -573,10 +574,10 @@ class Supervisor:
             return
         self._schedule_restart(slot, now)
 
-    def _expire(self, session_id: str) -> Future[str] | None:
+    def _expire(self, session_id: str, pid: int) -> Future[str] | None:
         if self._helper is None:
             return None
-        fut = self._helper.submit(expire_session, self.cfg, session_id)
+        fut = self._helper.submit(expire_session, self.cfg, session_id, pid)
         fut.add_done_callback(lambda _: self._wake())
         return fut
 

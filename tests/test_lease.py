@@ -212,6 +212,23 @@ def test_a_renewal_sent_before_expiry_cannot_revive_a_session_declared_dead(cfg:
     arun(main())
 
 
+def test_a_crashed_process_is_buried_with_the_session_it_had_not_reported(cfg: Config) -> None:
+    """The supervisor knows the session a shard last reported; a replacement the shard opened just before
+    it crashed carries the same pid and is buried too (else it waits for its TTL); a successor's is not."""
+    async def main() -> None:
+        async with clients(cfg) as c:
+            leases = store(c.dynamodb, cfg)
+            for sid, pid in (("t/1/reported", 70), ("t/1/unreported", 70), ("t/1/successor", 71), ("t/2/other", 70)):
+                assert await leases.create_session(SessionInfo(sid, "t", int(sid[2]), 700, pid=pid)) is Outcome.WON
+            assert await leases.bury_process("t/1/reported", 70) is Outcome.WON
+            fates = {sid: (await leases.fate(sid)).fate
+                     for sid in ("t/1/reported", "t/1/unreported", "t/1/successor", "t/2/other")}
+            assert fates == {"t/1/reported": Fate.DEAD, "t/1/unreported": Fate.DEAD,
+                             "t/1/successor": Fate.ALIVE, "t/2/other": Fate.ALIVE}
+
+    arun(main())
+
+
 def test_a_live_session_cannot_be_declared_dead(cfg: Config) -> None:
     clock = ManualClock(now_ms=SystemClock().now_ms())
 
