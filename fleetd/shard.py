@@ -58,6 +58,9 @@ _UNCLAIMABLE_RETRY_S = 300.0
 # units however big the fleet is, and a sample of ten estimates the mean load well enough for a 10 % band.
 REBALANCE_SAMPLE = 10
 RECEIVE_POLL_S = 1.0  # a shard below its share looks this often for streams handed to it
+# After a peer marks that it handed us streams, we look for them this long: `by_owner` may show them
+# only after its lag, and a stream not found then waits for the periodic scan (12 reconcile rounds).
+HANDED_WATCH_S = 10.0
 POLL_GRACE_S = 1.0  # a hint poll still open when the shard has stopped may answer this long
 ORPHAN_SEGMENTS = 16  # an orphan sweep reads one of this many segments of `by_owner`
 ORPHAN_SWEEP_MAX = 5000  # keys one sweep reads at most (its cost bound)
@@ -414,7 +417,7 @@ class Shard:
         if handed > self.session.handed_seen:
             # A peer handed us streams while our own view of the fleet did not have us watching.
             self.session.handed_seen = handed
-            self.receiving_until = max(self.receiving_until, self.clock.monotonic() + 2 * RECEIVE_POLL_S)
+            self.receiving_until = max(self.receiving_until, self.clock.monotonic() + HANDED_WATCH_S)
         if outcome is Outcome.WON and self.clock.monotonic() < self.session.deadline:
             self.session.deadline = max(self.session.deadline,
                                         started + self.cfg.lease.lease_ttl_s - self.cfg.lease.safety_margin_s)
@@ -945,7 +948,9 @@ class Shard:
         """While below our share, adopt what peers handed us (``by_owner`` = our session) every second."""
         assert self.stopping is not None
         while not await _wait(self.stopping, RECEIVE_POLL_S):
-            if self.clock.monotonic() < self.receiving_until and self._may_claim() and self.free_capacity() > 0:
+            # Also when full: streams handed to us beyond our room are given back (a peer's view of our
+            # load was stale), not left owned and unstreamed until the periodic scan.
+            if self.clock.monotonic() < self.receiving_until and self._may_claim():
                 try:
                     await self._adopt_own_strays(source="handed")
                 except Exception as e:
