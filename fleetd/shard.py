@@ -183,6 +183,7 @@ class Shard:
         self.claiming: set[str] = set()
         self.unclaimable: dict[str, float] = {}  # connection id → monotonic time it may be tried again
         self.receiving_until = 0.0  # below our share until then: watch for streams handed to us
+        self.handed_until = 0.0  # a peer marked it handed us streams: watch until then (a look never shortens it)
         self.orphan_segment = random.randrange(ORPHAN_SEGMENTS)  # the segment of `by_owner` swept last
         self.announced: set[str] = set()  # dead sessions named by DEAD_SESSION hints, taken over first
         self.tasks: set[asyncio.Task[None]] = set()  # see _spawn
@@ -417,7 +418,7 @@ class Shard:
         if handed > self.session.handed_seen:
             # A peer handed us streams while our own view of the fleet did not have us watching.
             self.session.handed_seen = handed
-            self.receiving_until = max(self.receiving_until, self.clock.monotonic() + HANDED_WATCH_S)
+            self.handed_until = self.clock.monotonic() + HANDED_WATCH_S
         if outcome is Outcome.WON and self.clock.monotonic() < self.session.deadline:
             self.session.deadline = max(self.session.deadline,
                                         started + self.cfg.lease.lease_ttl_s - self.cfg.lease.safety_margin_s)
@@ -950,7 +951,7 @@ class Shard:
         while not await _wait(self.stopping, RECEIVE_POLL_S):
             # Also when full: streams handed to us beyond our room are given back (a peer's view of our
             # load was stale), not left owned and unstreamed until the periodic scan.
-            if self.clock.monotonic() < self.receiving_until and self._may_claim():
+            if self.clock.monotonic() < max(self.receiving_until, self.handed_until) and self._may_claim():
                 try:
                     await self._adopt_own_strays(source="handed")
                 except Exception as e:
