@@ -603,13 +603,6 @@ class LeaseStore:
         )
         return outcome
 
-    async def session_expiry(self, session_id: str) -> int | None:
-        """``expires_at_ms`` by a consistent read; None when the session item does not exist."""
-        resp = await self._call("GetItem", TableName=self.sessions, ConsistentRead=True,
-                                Key={"session_id": _s(session_id)})
-        item = resp.get("Item")
-        return None if item is None else _num(item, "expires_at_ms")
-
     async def session_is_dead(self, session_id: str) -> bool:
         """Consistent read: missing, or carrying a tombstone (final).  An expired session without one is
         not dead yet: a late renewal may still extend it until someone writes the tombstone."""

@@ -581,9 +581,7 @@ class Shard:
     async def _disown_late(self, cid: str, me: str, result: ClaimResult) -> None:
         epoch = result.item.lease_epoch if result.item is not None else None
         try:
-            outcome = await self.leases.disown(cid, me, epoch=epoch)
-            if outcome is Outcome.WON:
-                await asyncio.wait_for(self.hints.send_start([cid]), self.cfg.aws.aws_timeout_s)
+            await self._free([cid], me, epoch)
         except Exception as e:  # the orphan sweep or the dead session's takeover frees it later
             log.warning("could not give back a late claim", extra={"connection_id": cid, "error": repr(e)})
 
@@ -794,12 +792,10 @@ class Shard:
                 await self._free_orphans(owner, ids)
 
     async def _free_orphans(self, owner: str, ids: list[str]) -> None:
-        outcomes = await _bounded(ids, self.cfg.lease.claim_concurrency, lambda cid: self.leases.disown(cid, owner))
-        freed = [cid for cid, o in zip(ids, outcomes, strict=True) if o is Outcome.WON]
+        freed = await self._free(ids, owner)
         if freed:
             self.stats.inc("orphans_freed_total", float(len(freed)))
             log.warning("freed items of a session that no longer exists", extra={"owner": owner, "count": len(freed)})
-            await self.hints.send_start(freed)
 
     def _wake(self) -> None:
         if self.wake_reconcile is not None:
@@ -826,14 +822,21 @@ class Shard:
 
     async def _give_back(self, ids: list[str], me: str) -> None:
         """Handed more than we have room for (a peer's view of our load was stale): free them, with hints."""
-        outcomes = await _bounded(ids, self.cfg.lease.claim_concurrency, lambda cid: self.leases.disown(cid, me))
-        freed = [cid for cid, o in zip(ids, outcomes, strict=True) if o is Outcome.WON]
+        freed = await self._free(ids, me)
         self.stats.inc("rebalance_given_back_total", float(len(freed)))
+
+    async def _free(self, ids: list[str], owner: str, epoch: int | None = None) -> list[str]:
+        """Make these items, owned by ``owner`` and streamed by nobody, free (conditioned on that owner, and
+        on ``epoch`` if given), with START hints so a peer takes them in about a second; returns those freed."""
+        outcomes = await _bounded(ids, self.cfg.lease.claim_concurrency,
+                                  lambda cid: self.leases.disown(cid, owner, epoch=epoch))
+        freed = [cid for cid, o in zip(ids, outcomes, strict=True) if o is Outcome.WON]
         if freed:
             stream = HintStream(self.hints)
             for cid in freed:
                 stream.add(cid)
             await self._finish_hints(stream, self.cfg.aws.aws_timeout_s)
+        return freed
 
     async def _claim_free(self) -> bool:
         """Claim one step of free items; True if there may be more (reconcile again soon).
@@ -1008,12 +1011,12 @@ class Shard:
                 # A supervisor buried a crashed shard whose successor is not booting now: its streams
                 # are ours to take at once (the reconcile confirms the session is dead first).
                 (returned if self._is_stopping() else taken).append(hint.receipt)
-                if not self._is_stopping() and self.wake_reconcile is not None:
+                if not self._is_stopping():
                     # Taken over by name at once (a consistent read decides), not through `by_expiry`,
                     # whose eventually consistent view may not list it yet.
                     log.info("dead session announced", extra={"dead_session": hint.dead_session})
                     self.announced.add(hint.dead_session)
-                    self.wake_reconcile.set()
+                    self._wake()
                 continue
             # `ctl start` of an item we hold (e.g. a new URL for a parked one): read it now
             # rather than at the next full sweep.

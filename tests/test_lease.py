@@ -152,7 +152,7 @@ def test_sessions_cannot_come_back_and_dead_items_move(cfg: Config) -> None:
             clock.advance(cfg.lease.dead_session_grace_s + cfg.lease.safety_margin_s + 0.001)
             assert await leases.delete_dead_session("t/0/x") is Outcome.WON
             assert "t/0/x" not in await leases.expired_sessions()
-            assert await leases.session_expiry("t/0/x") is None
+            assert (await leases.fate("t/0/x")).fate is Fate.GONE
 
     arun(main())
 
