@@ -7,6 +7,7 @@ not know whether it talks to AWS or to a local stack.
 
 from __future__ import annotations
 
+import enum
 import os
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -74,3 +75,42 @@ def error_code(exc: BaseException) -> str:
     if isinstance(response, dict):
         return str(response.get("Error", {}).get("Code", ""))
     return ""
+
+
+# ----- what an AWS call's failure means -------------------------------------------------------------
+
+
+class Outcome(enum.Enum):
+    WON = "won"
+    LOST = "lost"
+    RETRYABLE = "retryable"
+    FATAL = "fatal"
+
+
+_LOST_CODES = frozenset({"ConditionalCheckFailedException"})
+_FATAL_CODES = frozenset({
+    "ResourceNotFoundException", "AccessDeniedException", "UnrecognizedClientException",
+    "InvalidSignatureException", "ValidationException", "ExpiredTokenException",
+    "MissingAuthenticationTokenException", "SerializationException", "IncompleteSignatureException",
+})
+
+
+def classify(exc: BaseException) -> Outcome:
+    """Map an exception from an AWS call to what the caller should do."""
+    code = error_code(exc)
+    if code in _LOST_CODES:
+        return Outcome.LOST
+    if code in _FATAL_CODES:
+        return Outcome.FATAL
+    # Throttling, 5xx, timeouts, connection errors and anything unknown: try again.
+    return Outcome.RETRYABLE
+
+
+MISSING_CODES = frozenset({"ResourceNotFoundException", "AWS.SimpleQueueService.NonExistentQueue",
+                           "QueueDoesNotExist"})
+
+
+def missing(exc: BaseException) -> bool:
+    """The table or queue named in the call does not exist (wrong name, or `fleetd init` not run)."""
+    code = error_code(exc)
+    return code in MISSING_CODES or "NonExistentQueue" in code

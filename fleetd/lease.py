@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from fleetd.aws import error_code
+from fleetd.aws import Outcome, classify, error_code
 from fleetd.clock import Clock
 from fleetd.config import AwsConfig, LeaseConfig
 from fleetd.schema import EXPIRY_INDEX, HELD_BY_SESSION, OWNER_INDEX, SESSION_KIND, STATE_EXPIRY_INDEX
@@ -31,32 +31,6 @@ STARTED = "STARTED"
 STOPPED = "STOPPED"
 BATCH_GET_MAX = 100
 SESSION_TTL_BACKSTOP_S = 7 * 24 * 3600  # DynamoDB TTL removes long-dead sessions' leftovers
-
-
-class Outcome(enum.Enum):
-    WON = "won"
-    LOST = "lost"
-    RETRYABLE = "retryable"
-    FATAL = "fatal"
-
-
-_LOST_CODES = frozenset({"ConditionalCheckFailedException"})
-_FATAL_CODES = frozenset({
-    "ResourceNotFoundException", "AccessDeniedException", "UnrecognizedClientException",
-    "InvalidSignatureException", "ValidationException", "ExpiredTokenException",
-    "MissingAuthenticationTokenException", "SerializationException", "IncompleteSignatureException",
-})
-
-
-def classify(exc: BaseException) -> Outcome:
-    """Map an exception from an AWS call to what the caller should do."""
-    code = error_code(exc)
-    if code in _LOST_CODES:
-        return Outcome.LOST
-    if code in _FATAL_CODES:
-        return Outcome.FATAL
-    # Throttling, 5xx, timeouts, connection errors and anything unknown: try again.
-    return Outcome.RETRYABLE
 
 
 def _n(value: int) -> dict[str, str]:

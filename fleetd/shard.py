@@ -35,16 +35,16 @@ import uvloop
 from picows import ws_connect
 
 from fleetd import exits, logs
-from fleetd.aws import Clients, error_code, open_clients
+from fleetd.aws import Clients, Outcome, classify, error_code, missing, open_clients
 from fleetd.clock import Clock, SystemClock
 from fleetd.config import Config
-from fleetd.ctl import validate_url
 from fleetd.hints import Hints, HintStream
-from fleetd.lease import STOPPED, ClaimResult, ConnItem, Fate, LeaseStore, Outcome, SessionInfo, classify
+from fleetd.lease import STOPPED, ClaimResult, ConnItem, Fate, LeaseStore, SessionInfo
 from fleetd.schema import SchemaError, verify_messages_table
 from fleetd.sink import Cursor, Sink
 from fleetd.stats import Stats
 from fleetd.upstream import Connection, Connector
+from fleetd.validation import validate_url
 
 log = logging.getLogger("fleetd.shard")
 Reporter = Callable[[dict[str, Any]], None]
@@ -1268,8 +1268,6 @@ class Shard:
             await asyncio.wait_for(self.leases.mark_draining(self.session.session_id), 1.0)
 
 
-_MISSING_CODES = frozenset({"ResourceNotFoundException", "AWS.SimpleQueueService.NonExistentQueue",
-                            "QueueDoesNotExist"})
 _NO_CREDENTIALS = frozenset({"NoCredentialsError", "PartialCredentialsError"})
 
 
@@ -1289,13 +1287,13 @@ class _Transient(Exception):
 
 def _definitive(e: BaseException) -> bool:
     """An error a restart cannot fix (a boot error), as opposed to throttling, 5xx, timeouts."""
-    return (error_code(e) in _MISSING_CODES or type(e).__name__ in _NO_CREDENTIALS
+    return (missing(e) or type(e).__name__ in _NO_CREDENTIALS
             or classify(e) is Outcome.FATAL)
 
 
 def _boot_reason(e: Exception, what: str) -> str:
     code = error_code(e)
-    if code in _MISSING_CODES:
+    if missing(e):
         return f"{what} does not exist: run `fleetd init`"
     if type(e).__name__ in _NO_CREDENTIALS:
         return "no AWS credentials found"

@@ -55,10 +55,9 @@ from typing import Any
 
 from botocore.exceptions import ConnectTimeoutError, ReadTimeoutError
 
-from fleetd.aws import error_code
+from fleetd.aws import Outcome, classify, error_code
 from fleetd.clock import Clock
 from fleetd.config import Config
-from fleetd.lease import Outcome, classify
 from fleetd.stats import Stats
 
 log = logging.getLogger(__name__)

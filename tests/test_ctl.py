@@ -13,11 +13,12 @@ import pytest
 
 from bench import procs
 from fleetd import cli, dev, exits
+from fleetd.aws import Outcome
 from fleetd.clock import SystemClock
 from fleetd.config import Config, UpstreamConfig, as_env
-from fleetd.ctl import MAX_ID_BYTES, validate_id, validate_url
-from fleetd.lease import STARTED, STOPPED, LeaseStore, Outcome, SessionInfo
+from fleetd.lease import STARTED, STOPPED, LeaseStore, SessionInfo
 from fleetd.schema import HELD_BY_SESSION
+from fleetd.validation import MAX_ID_BYTES, validate_id, validate_url
 from tests.helpers import arun, clients
 
 # ----- helpers ------------------------------------------------------------------------------------------

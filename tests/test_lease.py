@@ -7,9 +7,10 @@ from typing import Any
 
 import pytest
 
+from fleetd.aws import Outcome
 from fleetd.clock import ManualClock, SystemClock
 from fleetd.config import Config, replace
-from fleetd.lease import STARTED, Fate, LeaseStore, Outcome, SessionInfo
+from fleetd.lease import STARTED, Fate, LeaseStore, SessionInfo
 from fleetd.schema import HELD_BY_SESSION
 from tests.helpers import arun, clients
 
