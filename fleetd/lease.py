@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from fleetd.aio import Backoff
 from fleetd.aws import Outcome, classify, error_code
 from fleetd.clock import Clock
 from fleetd.config import AwsConfig, LeaseConfig
@@ -355,7 +356,9 @@ class LeaseStore:
     async def _batch_get(self, ids: list[str], max_wait_s: float, unreadable: set[str]) -> dict[str, ConnItem]:
         keys: list[dict[str, Any]] = [{"connection_id": _s(i)} for i in ids]
         out: dict[str, ConnItem] = {}
-        delay, deadline = 0.05, self.clock.monotonic() + max_wait_s
+        # 0.05 s doubling to 2 s, each wait drawn from [0.5, 1.5]× that: in Backoff's terms 1.5× those
+        # delays with jitter 2/3 (the same one draw, the same distribution).
+        backoff, deadline = Backoff(0.075, 3.0, jitter=2 / 3), self.clock.monotonic() + max_wait_s
         while keys:
             resp = await self._call("BatchGetItem", RequestItems={self.conns: {
                 "Keys": keys,
@@ -372,8 +375,7 @@ class LeaseStore:
             if keys:
                 if self.clock.monotonic() > deadline:
                     raise TimeoutError(f"{len(keys)} keys still unprocessed after {max_wait_s} s")
-                await asyncio.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, 2.0)
+                await asyncio.sleep(backoff.next())
         return out
 
     # ----- sessions ----------------------------------------------------------------------------------

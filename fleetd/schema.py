@@ -12,6 +12,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+from fleetd.aio import Backoff
 from fleetd.aws import error_code
 from fleetd.config import AwsConfig
 
@@ -112,15 +113,14 @@ async def describe(ddb: Any, name: str) -> dict[str, Any] | None:
 async def _wait_active(ddb: Any, name: str, timeout_s: float = 300.0) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    delay = 0.05  # local servers are ACTIVE almost at once; real DynamoDB takes seconds
+    backoff = Backoff(0.05, 1.0)  # local servers are ACTIVE almost at once; real DynamoDB takes seconds
     while loop.time() < deadline:
         desc = await describe(ddb, name)
         if desc and desc.get("TableStatus") == "ACTIVE" and all(
             g.get("IndexStatus", "ACTIVE") == "ACTIVE" for g in desc.get("GlobalSecondaryIndexes", [])
         ):
             return
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 1.0)
+        await asyncio.sleep(backoff.next())
     raise TimeoutError(f"table {name} not ACTIVE after {timeout_s:.0f} s")
 
 

@@ -49,12 +49,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import random
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from botocore.exceptions import ConnectTimeoutError, ReadTimeoutError
 
+from fleetd.aio import Backoff
 from fleetd.aws import Outcome, classify, error_code
 from fleetd.clock import Clock
 from fleetd.config import Config
@@ -196,7 +196,9 @@ class Sink:
         self._stalls: dict[Cursor, set[int]] = {}  # seqs refused as invalid and not written since
         self._stalled_msgs = 0  # sum of the sets' sizes
         self._retry_at: float | None = None  # loop time of the next retry of a stalled message
-        self._retry_delay = STALL_BACKOFF_MIN_S
+        # peek(): the wait before the next retry.  The cap is read here, not at import: tests lower
+        # it, even below the first delay.
+        self._stall_backoff = Backoff(min(STALL_BACKOFF_MIN_S, STALL_BACKOFF_MAX_S), STALL_BACKOFF_MAX_S)
         self._retrying = False  # a stalled message is being retried
         self._last_stall_log = -_LOG_EVERY_S
         self._buffered = 0
@@ -474,7 +476,7 @@ class Sink:
 
     async def _flush(self, ddb: Any, batch: list[Pending]) -> None:
         """Write one batch until every message in it is durable, rejected or dropped."""
-        delay = BACKOFF_MIN_S
+        backoff = Backoff(BACKOFF_MIN_S, BACKOFF_MAX_S, jitter=0.5)
         try:
             while True:
                 batch = [p for p in batch if p[0].active]
@@ -490,8 +492,7 @@ class Sink:
                         self._isolate(batch, e)
                         return
                     self._note_error(_error_kind(e), f"{type(e).__name__}: {e}")
-                await asyncio.sleep(random.uniform(delay / 2, delay))
-                delay = min(delay * 2, BACKOFF_MAX_S)
+                await asyncio.sleep(backoff.next())
         except asyncio.CancelledError:
             # Nothing of ``batch`` is known to be durable: back to the front of the buffer.
             self._held.extendleft(reversed(batch))
@@ -563,7 +564,7 @@ class Sink:
             self._stall_gauges()
         self._stalled.append(p)
         if self._retry_at is None:
-            self._retry_at = asyncio.get_running_loop().time() + min(self._retry_delay, STALL_BACKOFF_MAX_S)
+            self._retry_at = asyncio.get_running_loop().time() + self._stall_backoff.peek()
         now = asyncio.get_running_loop().time()
         if now - self._last_stall_log >= _LOG_EVERY_S:
             self._last_stall_log = now
@@ -598,13 +599,13 @@ class Sink:
             self._retrying = False
         cur, seq = p[0], p[1]
         if seq in self._stalls.get(cur, ()):  # refused again (``_stall`` queued it at the back)
-            self._retry_delay = min(self._retry_delay * 2, STALL_BACKOFF_MAX_S)
+            self._stall_backoff.next()  # the next retry waits twice as long
         elif cur.active:
-            self._retry_delay = STALL_BACKOFF_MIN_S
+            self._stall_backoff.reset()
             self._held.extendleft(reversed(self._stalled))  # still counted as stalled until written
             self._stalled.clear()
         now = asyncio.get_running_loop().time()
-        self._retry_at = now + min(self._retry_delay, STALL_BACKOFF_MAX_S) if self._stalled else None
+        self._retry_at = now + self._stall_backoff.peek() if self._stalled else None
 
     def _unstall(self, cur: Cursor, seq: int) -> None:
         """A message that had been refused is written after all."""

@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -67,6 +66,7 @@ from typing import Any
 import orjson
 from picows import WSCloseCode, WSFrame, WSListener, WSMsgType, WSProtocolError, WSTransport, ws_connect
 
+from fleetd.aio import Backoff
 from fleetd.clock import Clock
 from fleetd.config import UpstreamConfig
 from fleetd.logs import RateLimiter
@@ -328,7 +328,7 @@ class Connection:
     # ----- the reconnect loop ----------------------------------------------------------------------
 
     async def _run_loop(self) -> None:
-        backoff = self.cfg.backoff_min_s
+        backoff = Backoff(self.cfg.backoff_min_s, self.cfg.backoff_max_s, jitter=0.5)
         while not self.closing and not self.parked:
             started = self.clock.monotonic()
             try:
@@ -340,10 +340,9 @@ class Connection:
             if self.closing or self.parked:
                 return
             if self.clock.monotonic() - started > _STABLE_S:
-                backoff = self.cfg.backoff_min_s
+                backoff.reset()
             self.stats.inc("upstream_reconnects_total")
-            await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
-            backoff = min(backoff * 2, self.cfg.backoff_max_s)
+            await asyncio.sleep(backoff.next())
 
     async def _stream_once(self) -> None:
         url = self._connect_url()
