@@ -8,13 +8,14 @@ It runs no event loop and no WebSocket or AWS code of its own.  Its main loop is
 and every signal handler only records the signal number (STYLE.md item 2).
 
 * Shards are ``multiprocessing`` children started through a forkserver that has
-  ``fleetd.shard`` preloaded (a restart costs ~10 ms, not a fresh interpreter), one
-  per usable CPU unless ``shards`` says otherwise.
+  ``fleetd.shard`` and ``fleetd.child`` preloaded (a restart costs ~10 ms, not a fresh
+  interpreter), one per usable CPU unless ``shards`` says otherwise.  What runs in
+  the child around the shard (reports, parent watch, boot errors) is ``fleetd.child``.
 * A shard reports an absolute stats snapshot once a second over a Pipe; the
   supervisor keeps the latest per shard for ``/metrics`` and CloudWatch.
 * A shard that dies is restarted with backoff (0.5 s doubling to 30 s, reset after
   60 s of healthy uptime).  If it died uncleanly, its session is expired at once
-  (one conditional write, in a worker thread) and the replacement starts with
+  (``fleetd.burial``, in a worker thread) and the replacement starts with
   ``predecessor=<that session>``, so it takes over the dead shard's items in about
   a second instead of waiting for the session TTL (SPEC §6).
 * A shard exiting with ``exits.BOOT_ERROR`` (missing tables, no credentials) halts
@@ -33,10 +34,9 @@ import multiprocessing
 import os
 import signal
 import sys
-import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -46,7 +46,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from fleetd import exits, logs
+from fleetd import burial, exits, logs
+from fleetd.child import shard_entry
 from fleetd.cloudwatch import Publisher
 from fleetd.config import Config
 from fleetd.metrics import FleetCollector, MetricsServer
@@ -58,12 +59,6 @@ BACKOFF_MAX_S = 30.0
 HEALTHY_UPTIME_S = 60.0  # a shard that ran this long before dying restarts at the minimum backoff again
 # A successor booting later than this leaves the crashed shard's streams to peers, told at once.
 RESTART_SOON_S = 1.0
-DEAD_SESSION_COPIES = 3  # each wakes one peer; one may be too full to take them all
-# Every shard that died in the last `hint_wait_s` may still have a long poll open at SQS, and each
-# such poll takes one wave and hides it for 3 s: a crash loop leaves several (bench: three kills
-# in 8 s hid two waves for 6 s).  Waves after the first go out DEAD_SESSION_WAVE_GAP_S apart.
-DEAD_SESSION_WAVES = 4
-DEAD_SESSION_WAVE_GAP_S = 0.3
 EXPIRE_WAIT_S = 3.0  # a restart waits at most this long for its predecessor's session to be expired
 KILL_GRACE_S = 2.0  # added to shutdown_budget_s before stragglers are SIGKILLed
 TICK_S = 1.0  # upper bound of one wait: restarts and deadlines are checked at least this often
@@ -72,7 +67,8 @@ CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
 
 
 def usable_cpus(cpu_max: Path = CPU_MAX) -> int:
-    """CPUs this process may run on, capped by the cgroup v2 quota (``"max 100000"`` = none)."""
+    """One shard per CPU the task may really use: the CPUs this process may run on, capped by the cgroup v2
+    quota (``"max 100000"`` = none)."""
     cpus = len(os.sched_getaffinity(0))
     try:
         quota, period = cpu_max.read_text().split()[:2]
@@ -84,17 +80,18 @@ def usable_cpus(cpu_max: Path = CPU_MAX) -> int:
 
 
 def shard_context() -> ForkServerContext:
-    """The forkserver context, with the shard's heavy imports (uvloop, picows, aiobotocore) preloaded.
+    """A shard restart costs ~10 ms, not a fresh interpreter: the forkserver context, with the shard's heavy
+    imports (uvloop, picows, the AWS SDK) preloaded.
 
     The forkserver is started here with SIGTERM ignored (an ignored disposition
     survives exec): a SIGTERM to the whole process group (``kill -TERM -PGID``,
     systemd) must not kill it, or every shard's exit status is lost with it while
-    the shards are still shutting down.  Shards restore the default (``shard_entry``).
+    the shards are still shutting down.  Shards restore the default (``fleetd.child.shard_entry``).
     """
     from multiprocessing import forkserver
 
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["fleetd.shard", "fleetd.supervisor"])
+    ctx.set_forkserver_preload(["fleetd.shard", "fleetd.child"])
     previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         forkserver.ensure_running()
@@ -103,184 +100,8 @@ def shard_context() -> ForkServerContext:
     return ctx
 
 
-# ----- the child side -------------------------------------------------------------------------------------
-
-
-class ReportRelay:
-    """Latest-wins mailbox plus a sender thread: the shard's event loop never blocks on the pipe.
-
-    If the supervisor is slow to read, the pipe fills and the thread blocks; newer
-    snapshots then replace the unsent one (dropping is fine: snapshots are absolute).
-    """
-
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
-        self._cond = threading.Condition()
-        self._pending: dict[str, Any] | None = None
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="report-relay", daemon=True)
-        self._thread.start()
-
-    def offer(self, snapshot: dict[str, Any]) -> None:
-        with self._cond:
-            self._pending = snapshot
-            self._cond.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while self._pending is None and not self._closed:
-                    self._cond.wait()
-                msg, self._pending = self._pending, None
-            if msg is None:
-                return
-            try:
-                self.conn.send(msg)
-            except OSError:
-                return  # the supervisor is gone; the parent watch ends us
-
-    def close(self, final: dict[str, Any] | None = None, timeout_s: float = 1.0) -> None:
-        """Flush what is pending, then send ``final`` (unless the pipe is stuck)."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        self._thread.join(timeout_s)
-        if final is not None and not self._thread.is_alive():
-            with contextlib.suppress(OSError):
-                self.conn.send(final)
-
-
-class BootErrorCapture(logging.Handler):
-    """Keeps the ``reason`` of the shard's "cannot boot" log record for the supervisor's message."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.ERROR)
-        self.reason = ""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        reason = getattr(record, "reason", None)
-        if reason:
-            self.reason = str(reason)
-
-
-def _exit_with_parent(grace_s: float) -> None:
-    """If the supervisor dies, shut down gracefully (our leases are released), hard-exit after ``grace_s``.
-
-    PR_SET_PDEATHSIG would watch the forkserver, not the supervisor; the parent
-    sentinel that multiprocessing hands us is the supervisor's end of a pipe.
-    """
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-    sentinel = parent.sentinel
-
-    def watch() -> None:
-        wait([sentinel])
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(grace_s)
-        os._exit(exits.FAILURE)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def shard_entry(cfg: Config, index: int, predecessor: str | None, reports: Connection) -> None:
-    """The child process: run ``fleetd.shard.main`` and exit with its code."""
-    # Own process group: a terminal's Ctrl-C reaches only the supervisor, which forwards one
-    # SIGTERM; a shard hit by both would take the second as "exit now".
-    os.setpgid(0, 0)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # inherited as ignored from the forkserver
-    _exit_with_parent(cfg.runtime.shutdown_budget_s + KILL_GRACE_S)
-    relay = ReportRelay(reports)
-    capture = BootErrorCapture()
-    logging.getLogger("fleetd.shard").addHandler(capture)
-    from fleetd import shard
-
-    code = shard.main(cfg, index, reporter=relay.offer, predecessor=predecessor)
-    relay.close({"boot_error": capture.reason} if code == exits.BOOT_ERROR else None)
-    sys.exit(code)
-
-
-# ----- AWS helper (worker thread) ---------------------------------------------------------------------
-
-
-def expire_session(cfg: Config, session_id: str, pid: int = 0) -> str:
-    """End a dead shard's session now (and any later one its process ``pid`` opened without reporting it
-    yet), so its successor may claim its items; returns the outcome.
-
-    Runs in a worker thread with a short-lived event loop: the supervisor's own
-    loop never hosts AWS code.  Failures are logged; the session then expires on
-    its own after the TTL.
-    """
-    import asyncio
-
-    started = time.monotonic()
-    try:
-        outcome = asyncio.run(_expire(cfg, session_id, pid))
-    except Exception as e:
-        log.warning("could not expire dead session", extra={"session_id": session_id,
-                                                           "error": f"{type(e).__name__}: {e}"})
-        return "error"
-    log.info("dead session expired", extra={"session_id": session_id, "outcome": outcome,
-                                            "seconds": round(time.monotonic() - started, 3)})
-    return outcome
-
-
-async def _expire(cfg: Config, session_id: str, pid: int) -> str:
-    from aiobotocore.session import get_session
-
-    from fleetd.aws import client_config, region_of
-    from fleetd.clock import SystemClock
-    from fleetd.lease import LeaseStore
-
-    async with get_session().create_client("dynamodb", region_name=region_of(cfg.aws),
-                                           config=client_config(cfg.aws)) as ddb:
-        store = LeaseStore(ddb, cfg.aws, cfg.lease, SystemClock(cfg.lease.clock_offset_ms))
-        return (await store.bury_process(session_id, pid)).value
-
-
-def announce_dead(cfg: Config, session_id: str) -> None:
-    """DEAD_SESSION hints (worker thread), so that peers take the dead shard's streams over now.
-    Best effort: without them, peers find the expired session at their next reconcile."""
-    import asyncio
-
-    started = time.monotonic()
-    try:
-        asyncio.run(_announce_dead(cfg, session_id))
-    except Exception as e:
-        log.warning("could not announce the dead session", extra={"session_id": session_id,
-                                                                   "error": f"{type(e).__name__}: {e}"})
-        return
-    log.info("dead session announced to peers", extra={"session_id": session_id,
-                                                       "seconds": round(time.monotonic() - started, 3)})
-
-
-async def _announce_dead(cfg: Config, session_id: str) -> None:
-    import asyncio
-
-    from aiobotocore.session import get_session
-
-    from fleetd.aws import client_config, region_of
-    from fleetd.hints import Hints
-    from fleetd.stats import Stats
-
-    async with get_session().create_client("sqs", region_name=region_of(cfg.aws),
-                                           config=client_config(cfg.aws)) as sqs:
-        hints = Hints(sqs, cfg.aws.hints_queue, 0, Stats())
-        for wave in range(DEAD_SESSION_WAVES):
-            if wave:
-                await asyncio.sleep(DEAD_SESSION_WAVE_GAP_S)
-            await hints.send_dead_session(session_id, DEAD_SESSION_COPIES)
-
-
-def _warm_up() -> None:
-    """Import the AWS stack ahead of the first crash, so recovery does not pay for it."""
-    import aiobotocore.session  # noqa: F401
-
-    import fleetd.lease  # noqa: F401
-
-
 def reap_orphans(protected: set[int]) -> list[int]:
-    """Reap exited children that multiprocessing does not own (PID 1 inherits every orphan).
+    """PID 1 inherits every orphan and must reap it: reap exited children that multiprocessing does not own.
 
     ``WNOWAIT`` peeks first, so the exit status of a child multiprocessing waits
     for (forkserver, resource tracker) is never stolen from it.
@@ -304,6 +125,109 @@ def _multiprocessing_pids() -> set[int]:
     pids = {getattr(forkserver._forkserver, "_forkserver_pid", None),
             getattr(resource_tracker._resource_tracker, "_pid", None)}
     return {p for p in pids if p}
+
+
+# ----- signals and wake-ups -----------------------------------------------------------------------------
+
+
+class SignalInbox:
+    """Signal handlers only record the signal number (STYLE.md item 2); the main loop acts on it.
+
+    A self-pipe (``signal.set_wakeup_fd``) wakes the main loop's wait when a signal
+    arrives, and :meth:`wake` does the same for other threads (a finished expiry).
+    """
+
+    def __init__(self) -> None:
+        self.signals: deque[int] = deque()  # appended by the handler, consumed by Supervisor.handle_term
+        self.fd = -1  # the read end: one of the main loop's waitables
+        self._write_fd = -1
+
+    def install(self, signums: Iterable[int]) -> None:
+        self.fd, self._write_fd = os.pipe()
+        for fd in (self.fd, self._write_fd):
+            os.set_blocking(fd, False)
+        signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        for sig in signums:
+            signal.signal(sig, self._record)
+
+    def _record(self, signum: int, frame: FrameType | None) -> None:
+        # Only record: logging or locking in a signal handler can deadlock.
+        self.signals.append(signum)
+
+    def wake(self) -> None:
+        """Wake the main loop from another thread."""
+        with contextlib.suppress(OSError):
+            os.write(self._write_fd, b"\0")
+
+    def drain(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            while os.read(self.fd, 4096):
+                pass
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(-1)
+        for fd in (self.fd, self._write_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.fd = self._write_fd = -1
+
+
+# ----- burials (worker threads) -------------------------------------------------------------------------
+
+
+class Undertaker:
+    """The main loop never waits on AWS: dead sessions are buried (``fleetd.burial``) in worker threads.
+
+    Each burial is a Future the main loop polls; a finished expiry wakes it (``wake``).
+    Before :meth:`start` (a Supervisor that is not running) nothing is buried.
+    """
+
+    def __init__(self, cfg: Config, wake: Callable[[], None]) -> None:
+        self.cfg = cfg
+        self._wake = wake
+        self._pool: ThreadPoolExecutor | None = None
+
+    def start(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="aws-helper")
+        self._pool.submit(burial.warm_up)
+
+    def expire(self, session_id: str, pid: int) -> Future[str] | None:
+        if self._pool is None:
+            return None
+        fut = self._pool.submit(burial.expire_session, self.cfg, session_id, pid)
+        fut.add_done_callback(lambda _: self._wake())
+        return fut
+
+    def announce(self, expiring: Future[str] | None, session_id: str) -> Future[None] | None:
+        """A peer woken before the expiry landed would find the session alive and wait for its next
+        reconcile: DEAD_SESSION hints go out once ``expiring`` is done.  The successor's boot does not
+        wait for them: it waits only for the expiry."""
+        if self._pool is None or expiring is None:
+            return None
+        announcing: Future[None] = Future()
+
+        def start(_: Future[str]) -> None:
+            try:
+                assert self._pool is not None
+                inner = self._pool.submit(burial.announce_dead, self.cfg, session_id)
+            except RuntimeError:  # shut down meanwhile
+                announcing.cancel()
+                return
+            inner.add_done_callback(lambda f: announcing.set_result(None))
+
+        expiring.add_done_callback(start)
+        return announcing
+
+    def close(self, burials: Iterable[Future[Any] | None]) -> None:
+        """Peers take over faster when dead sessions are buried before we go: wait up to EXPIRE_WAIT_S."""
+        if self._pool is None:
+            return
+        pending = [f for f in burials if f is not None and not f.done()]
+        deadline = time.monotonic() + EXPIRE_WAIT_S
+        for fut in pending:
+            with contextlib.suppress(Exception):
+                fut.result(max(0.0, deadline - time.monotonic()))
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 # ----- the supervisor -----------------------------------------------------------------------------------
@@ -331,9 +255,18 @@ class ShardSlot:
     def pid(self) -> int:
         return (self.process.pid or 0) if self.process is not None else 0
 
+    def kill(self, sig: int) -> None:
+        if self.pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def predecessor_settled(self, now: float) -> bool:
+        """The successor must not boot before its predecessor's session is expired (or we gave up)."""
+        return self.expiring is None or self.expiring.done() or now - self.died_at >= EXPIRE_WAIT_S
+
 
 class Supervisor:
-    """Starts, watches, restarts and stops the shards of one task (constructor is pure)."""
+    """One task's shards run, restart and stop under one loop (constructor is pure)."""
 
     def __init__(self, cfg: Config, ctx: ForkServerContext | None = None) -> None:
         self.cfg = cfg
@@ -342,7 +275,8 @@ class Supervisor:
         self.collector = FleetCollector(self.count)
         self.server = MetricsServer(cfg.runtime.metrics_addr, self.collector)
         self.publisher = Publisher(cfg.runtime, cfg.aws, self.collector.task_active_connections)
-        self.signals: deque[int] = deque()  # appended by signal handlers, consumed by handle_term
+        self.inbox = SignalInbox()
+        self.undertaker = Undertaker(cfg, self.inbox.wake)
         self.stopping = False
         self.stop_signal = 0
         self.stop_deadline = math.inf
@@ -350,8 +284,11 @@ class Supervisor:
         self.exit_code = exits.OK
         self.halt_message = ""
         self._ctx = ctx
-        self._wake_r = self._wake_w = -1
-        self._helper: ThreadPoolExecutor | None = None
+
+    @property
+    def kill_after_s(self) -> float:
+        """How long shards get to stop, from the stop signal (or their supervisor's death) to SIGKILL."""
+        return self.cfg.runtime.shutdown_budget_s + KILL_GRACE_S
 
     # ----- lifecycle -----------------------------------------------------------------------------------
 
@@ -363,9 +300,8 @@ class Supervisor:
                   file=sys.stderr)
             return exits.USAGE
         self._ctx = self._ctx or shard_context()
-        self._install_signals()
-        self._helper = ThreadPoolExecutor(max_workers=2, thread_name_prefix="aws-helper")
-        self._helper.submit(_warm_up)
+        self.inbox.install((signal.SIGTERM, signal.SIGINT, signal.SIGCHLD))
+        self.undertaker.start()
         self.publisher.start()
         log.info("supervisor started", extra={"shards": self.count, "pid": os.getpid(), "metrics": self.server.url})
         try:
@@ -382,7 +318,7 @@ class Supervisor:
     def _loop(self) -> None:
         while not (self.stopping and all(s.process is None for s in self.slots)):
             ready = wait(self._waitables(), timeout=self._timeout())
-            self._drain_wakeups()
+            self.inbox.drain()
             self.handle_term()
             for slot in self.slots:
                 if slot.reports is not None and slot.reports in ready:
@@ -391,7 +327,7 @@ class Supervisor:
             self.manage_shards()
 
     def _waitables(self) -> list[Any]:
-        objs: list[Any] = [self._wake_r]
+        objs: list[Any] = [self.inbox.fd]
         for slot in self.slots:
             if slot.process is not None:
                 objs.append(slot.process.sentinel)
@@ -413,49 +349,16 @@ class Supervisor:
         self.collector.draining = True
         self.publisher.stop()
         self.server.stop()
-        if self._helper is not None:
-            pending: list[Future[Any]] = [f for s in self.slots for f in (s.expiring, s.announcing)
-                                          if f is not None and not f.done()]
-            deadline = time.monotonic() + EXPIRE_WAIT_S
-            for fut in pending:  # peers take over faster when dead sessions are expired before we go
-                with contextlib.suppress(Exception):
-                    fut.result(max(0.0, deadline - time.monotonic()))
-            self._helper.shutdown(wait=False, cancel_futures=True)
+        self.undertaker.close(f for s in self.slots for f in (s.expiring, s.announcing))
         reap_orphans(_multiprocessing_pids())
-        signal.set_wakeup_fd(-1)
-        for fd in (self._wake_r, self._wake_w):
-            if fd >= 0:
-                os.close(fd)
-        self._wake_r = self._wake_w = -1
+        self.inbox.close()
 
     # ----- signals -------------------------------------------------------------------------------------
 
-    def _install_signals(self) -> None:
-        self._wake_r, self._wake_w = os.pipe()
-        for fd in (self._wake_r, self._wake_w):
-            os.set_blocking(fd, False)
-        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
-            signal.signal(sig, self._record_signal)
-
-    def _record_signal(self, signum: int, frame: FrameType | None) -> None:
-        # Only record: logging or locking here can deadlock (gunicorn's SIGCHLD logging did).
-        self.signals.append(signum)
-
-    def _wake(self) -> None:
-        """Wake the main loop from another thread (a finished session expiry)."""
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"\0")
-
-    def _drain_wakeups(self) -> None:
-        with contextlib.suppress(BlockingIOError, OSError):
-            while os.read(self._wake_r, 4096):
-                pass
-
     def handle_term(self) -> None:
         """Act on recorded signals: the first TERM/INT stops gracefully, a second one kills."""
-        while self.signals:
-            sig = self.signals.popleft()
+        while self.inbox.signals:
+            sig = self.inbox.signals.popleft()
             if sig == signal.SIGCHLD:
                 continue  # reap_shards reaps on every iteration
             if self.stopping:
@@ -468,10 +371,10 @@ class Supervisor:
         self.stopping = True
         self.stop_signal = sig
         self.collector.draining = True
-        self.stop_deadline = time.monotonic() + self.cfg.runtime.shutdown_budget_s + KILL_GRACE_S
+        self.stop_deadline = time.monotonic() + self.kill_after_s
         for slot in self.slots:
             slot.restart_at = math.inf
-            self._signal(slot, signal.SIGTERM)
+            slot.kill(signal.SIGTERM)
 
     def _force(self, sig: int) -> None:
         log.warning("second signal: killing shards now", extra={"signal": _signal_name(sig)})
@@ -481,13 +384,7 @@ class Supervisor:
     def _kill_all(self) -> None:
         self.killed = True
         for slot in self.slots:
-            self._signal(slot, signal.SIGKILL)
-
-    @staticmethod
-    def _signal(slot: ShardSlot, sig: int) -> None:
-        if slot.pid:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(slot.pid, sig)
+            slot.kill(signal.SIGKILL)
 
     # ----- shards --------------------------------------------------------------------------------------
 
@@ -495,7 +392,7 @@ class Supervisor:
         assert self._ctx is not None
         recv, send = self._ctx.Pipe(duplex=False)
         proc = self._ctx.Process(target=shard_entry, name=f"fleetd-shard-{slot.index}",
-                                 args=(self.cfg, slot.index, slot.predecessor, send))
+                                 args=(self.cfg, slot.index, slot.predecessor, send, self.kill_after_s))
         try:
             proc.start()
         except OSError as e:
@@ -564,42 +461,15 @@ class Supervisor:
             slot.predecessor = sid
             # A successor held back by the crash-loop backoff (or never coming) would leave the
             # streams waiting for it, or for the peers' next reconcile: tell the peers instead.
-            slot.expiring = self._expire(sid, pid)
+            slot.expiring = self.undertaker.expire(sid, pid)
             if not restarting or slot.backoff_s > RESTART_SOON_S:
-                slot.announcing = self._announce(slot.expiring, sid)
+                slot.announcing = self.undertaker.announce(slot.expiring, sid)
         if self.stopping:
             return
         if code in HALTING_EXITS:
             self._halt(slot, code)
             return
         self._schedule_restart(slot, now)
-
-    def _expire(self, session_id: str, pid: int) -> Future[str] | None:
-        if self._helper is None:
-            return None
-        fut = self._helper.submit(expire_session, self.cfg, session_id, pid)
-        fut.add_done_callback(lambda _: self._wake())
-        return fut
-
-    def _announce(self, expiring: Future[str] | None, session_id: str) -> Future[None] | None:
-        """DEAD_SESSION hints once ``expiring`` is done (a peer woken before the expiry landed would
-        find the session alive and wait for its next reconcile).  The successor's boot does not wait
-        for them: it waits only for the expiry."""
-        if self._helper is None or expiring is None:
-            return None
-        announcing: Future[None] = Future()
-
-        def start(_: Future[str]) -> None:
-            try:
-                assert self._helper is not None
-                inner = self._helper.submit(announce_dead, self.cfg, session_id)
-            except RuntimeError:  # shut down meanwhile
-                announcing.cancel()
-                return
-            inner.add_done_callback(lambda f: announcing.set_result(None))
-
-        expiring.add_done_callback(start)
-        return announcing
 
     def _schedule_restart(self, slot: ShardSlot, now: float) -> None:
         slot.restart_at = now + slot.backoff_s
@@ -625,13 +495,8 @@ class Supervisor:
                     self.exit_code = 128 + (self.stop_signal or signal.SIGTERM)
             return
         for slot in self.slots:
-            if slot.process is None and now >= slot.restart_at and self._predecessor_settled(slot, now):
+            if slot.process is None and now >= slot.restart_at and slot.predecessor_settled(now):
                 self._start(slot)
-
-    @staticmethod
-    def _predecessor_settled(slot: ShardSlot, now: float) -> bool:
-        """The successor must not boot before its predecessor's session is expired (or we gave up)."""
-        return slot.expiring is None or slot.expiring.done() or now - slot.died_at >= EXPIRE_WAIT_S
 
 
 def _log_exit(index: int, pid: int, code: int, session_id: str, uptime: float, stopping: bool) -> None:
