@@ -106,8 +106,8 @@ class Hints:
             entries = [{"Id": str(i), "ReceiptHandle": r} for i, r in enumerate(chunk)]
             await self.sqs.delete_message_batch(QueueUrl=await self._queue_url(), Entries=entries)
 
-    async def give_back(self, receipts: Iterable[str]) -> None:
-        """Make hints we cannot take visible to peers at once (we are full)."""
+    async def requeue(self, receipts: Iterable[str]) -> None:
+        """Make hints we cannot use visible to peers again at once (we are full, or stopping)."""
         handles = list(receipts)
         for chunk in _chunks(handles):
             entries = [{"Id": str(i), "ReceiptHandle": r, "VisibilityTimeout": 0} for i, r in enumerate(chunk)]

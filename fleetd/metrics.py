@@ -96,7 +96,9 @@ REQUIRED: tuple[Family, ...] = (
            "Claims won too late to be used (session given up or item lease past its deadline), given back."),
     Family("orphans_freed_total", "counter",
            "Connections the orphan sweep freed: owned by a session that no longer exists."),
-    Family("orphan_sweep_errors_total", "counter", "Orphan sweeps that failed (retried at the next period)."),
+    Family("loop_errors_total", "counter",
+           "Rounds of a shard loop that failed (counted, logged at most every 10 s; the loop goes on), by loop.",
+           _sets("loop", "reconcile", "hints", "desired_state", "checkpoint", "orphan_sweep", "rebalance", "receive")),
     Family("dynamodb_requests_total", "counter", "DynamoDB requests by operation and outcome.",
            tuple({"op": op, "outcome": "won"} for op in ("UpdateItem", "BatchWriteItem", "Query"))),
 )

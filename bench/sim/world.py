@@ -397,7 +397,7 @@ class World:
         task = proc.task
         if task is None or task.dead or proc.shard is None or task.slots.get(proc.index) is not proc:
             return
-        sid = proc.shard.session.session_id
+        sid = proc.shard.session_id
         sup = task.supervisor
         task.slots[proc.index] = None
 
@@ -418,7 +418,7 @@ class World:
 
     def term(self, proc: Proc, replace_after: float) -> None:
         shard = proc.shard
-        if proc.state != "running" or shard is None or shard.stopping is None:
+        if proc.state != "running" or shard is None:
             return
         self.say(f"proc SIGTERM {proc.name}")
         proc.stop_requested = True

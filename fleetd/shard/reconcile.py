@@ -1,0 +1,207 @@
+"""Finding work: free items, dead sessions' items, and our own items we do not hold.
+
+Rules: GSI reads only nominate candidates, the conditional claim decides.  A session's items are
+taken over only once it is dead by a tombstone (``LeaseStore.fate``: a consistent read, and the
+tombstone written if due), and the session is forgotten only when it owns nothing and its grace —
+which covers a late claim with all its SDK retries — has passed.  Without a live session the loop
+reads nothing: a round that cannot claim only loads the index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import random
+
+from fleetd.aio import Guard, bounded, wait, wait_any
+from fleetd.aws import Outcome
+from fleetd.lease import Fate
+from fleetd.shard.claims import Claimer
+from fleetd.shard.context import Context
+from fleetd.shard.freeing import free
+from fleetd.shard.holdings import Holdings
+from fleetd.shard.session import SessionKeeper
+
+log = logging.getLogger(__name__)
+STRAYS_EVERY = 12  # reconcile rounds between scans for items we own but do not hold
+
+
+class Reconciler:
+    """The reconcile loop: takeovers, own strays, and claiming free items in steps."""
+
+    def __init__(self, ctx: Context, session: SessionKeeper, holdings: Holdings, claimer: Claimer) -> None:
+        self.ctx = ctx
+        self.session = session
+        self.holdings = holdings
+        self.claimer = claimer
+        self._wake = asyncio.Event()
+        self._expiry_wake: asyncio.TimerHandle | None = None  # when the next dying session is dead
+        self._announced: set[str] = set()  # dead sessions named to us (hint, sweep), taken over first
+        self._strays_check_at = 0.0  # monotonic: look for items we own but do not hold (0: not due)
+        self._adopting = asyncio.Lock()
+        self._guard = Guard("reconcile", ctx.count_error, log)
+
+    # ----- what others tell us -----------------------------------------------------------------------
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def announce(self, dead_session: str) -> None:
+        """A session named dead (a DEAD_SESSION hint, the orphan sweep): take it over by name at once,
+        decided by a consistent read, not through ``by_expiry``, whose view may not list it yet."""
+        self._announced.add(dead_session)
+        self._wake.set()
+
+    def suspect_strays(self) -> None:
+        """An ownership write of ours ended ambiguously (it may land after every check): look for items
+        we own but do not hold once it can no longer land, instead of at the periodic scan."""
+        aws = self.ctx.cfg.aws
+        window = aws.aws_timeout_s * aws.aws_max_attempts
+        self._strays_check_at = max(self._strays_check_at, self.ctx.clock.monotonic() + window)
+
+    def _wake_at(self, at_ms: int) -> None:
+        """One timer: the earliest wanted wins (a later one is re-armed by the round it wakes)."""
+        loop = asyncio.get_running_loop()
+        when = loop.time() + max(0.0, (at_ms - self.ctx.clock.now_ms()) / 1000)
+        pending = self._expiry_wake
+        if pending is not None and not pending.cancelled() and loop.time() < pending.when() <= when:
+            return
+        if pending is not None:
+            pending.cancel()
+        self._expiry_wake = loop.call_at(when, self._wake.set)
+
+    # ----- the loop ------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        lease = self.ctx.cfg.lease
+        rounds = 0
+        while not self.ctx.is_stopping():
+            more = await self._guard.run(functools.partial(self._round, rounds), False)
+            rounds += 1
+            if more:
+                # Free items remain: the next step follows at once (its load-proportional delay paces
+                # it); the short pause bounds the loop if a stale index keeps offering held items.
+                await wait(self.ctx.stopping, 0.05)
+                continue
+            jitter = 1 + random.uniform(-1, 1) * lease.reconcile_jitter
+            await wait_any(self.ctx.stopping, self._wake, timeout_s=lease.reconcile_s * jitter)
+            self._wake.clear()
+
+    async def _round(self, rounds: int) -> bool:
+        """One round; True when free items remain that we could take."""
+        if not self.session.may_claim():
+            return False
+        for old in self.session.previous():
+            if await self.take_over(old):
+                self.session.forget_previous(old)
+        while self._announced and self.holdings.free_capacity() > 0:
+            await self.take_over(self._announced.pop())
+        if self.holdings.free_capacity() <= 0:
+            return False
+        # An emptier shard claims first: a delay proportional to load spreads streams evenly.
+        load = len(self.holdings) / self.holdings.capacity
+        if load > 0 and await wait(self.ctx.stopping, load * min(1.0, self.ctx.cfg.lease.reconcile_s / 5)):
+            return False
+        if self.ctx.cfg.lease.lease_mode == "session":
+            await self._take_over_dead()
+        suspected = 0 < self._strays_check_at <= self.ctx.clock.monotonic()
+        if suspected or rounds % STRAYS_EVERY == STRAYS_EVERY - 1:
+            self._strays_check_at = 0.0
+            await self.adopt_own_strays()
+        return await self._claim_free()
+
+    # ----- dead sessions -------------------------------------------------------------------------------
+
+    async def _take_over_dead(self) -> None:
+        """Take over the dead sessions, and look again the moment the next dying one is dead for
+        everyone (found only at the next round, its streams would wait up to a reconcile period more)."""
+        lease = self.ctx.cfg.lease
+        horizon_ms = int(lease.reconcile_s * (1 + lease.reconcile_jitter) * 1000)
+        dead, dying_at_ms = await self.ctx.leases.dead_and_dying(horizon_ms)
+        for sid in dead:
+            if sid != self.session.session_id and self.holdings.free_capacity() > 0:
+                await self.take_over(sid)
+        if dying_at_ms is not None:
+            self._wake_at(dying_at_ms)
+
+    async def take_over(self, dead: str) -> bool:
+        """Claim a dead session's items; forget it once it owns nothing.  True when done.
+
+        Dead means a tombstone, written by us now (``fate``) if the session is expired without one:
+        an expired session read from an index may have renewed since, and a renewal landing late
+        may extend it, but never past a tombstone."""
+        leases = self.ctx.leases
+        death = await leases.fate(dead)
+        if death.fate is Fate.GONE:
+            return True  # a peer already forgot it
+        if death.fate is not Fate.DEAD:
+            return False
+        ids = [cid for cid in await leases.items_of(dead) if not self.claimer.skipped(cid)]
+        random.shuffle(ids)
+        ids = ids[: max(0, self.holdings.free_capacity())]
+        limit = self.ctx.cfg.lease.claim_concurrency
+        outcomes = await bounded(ids, limit, lambda cid: self.claimer.claim(cid, dead_owner=dead))
+        # A claim loses on a STOPPED item, or one a peer took first: free those still the dead's (the
+        # index says which, so that the many lost races of a takeover do not each cost a write).
+        lost = [cid for cid, o in zip(ids, outcomes, strict=True) if o is Outcome.LOST]
+        if lost:
+            still = set(await leases.items_of(dead))
+            lost = [cid for cid in lost if cid in still]
+        freed = await bounded(lost, limit, lambda cid: leases.free_stopped(cid, dead))
+        self.ctx.stats.inc("dead_session_stopped_freed_total", float(sum(o is Outcome.WON for o in freed)))
+        if await leases.items_of(dead, limit=1) or not leases.past_grace(death.dead_at_ms):
+            return False  # keep looking until no late claim of the dead session can land
+        return await leases.delete_dead_session(dead) in (Outcome.WON, Outcome.LOST)  # LOST: a peer did
+
+    # ----- our own items ---------------------------------------------------------------------------------
+
+    async def adopt_own_strays(self, source: str = "reconcile") -> None:
+        """Items owned by our session that we do not hold: handed to us by a peer (rebalancing), or an
+        ambiguous claim we reported as failed.  One scan at a time: this is the only path that claims
+        an item we own, so an item it frees cannot be one a concurrent claim is adopting."""
+        async with self._adopting:
+            me = self.session.session_id
+            strays = [cid for cid in await self.ctx.leases.items_of(me) if cid not in self.holdings]
+            room = max(0, self.holdings.free_capacity())
+            take, excess = strays[:room], strays[room:]
+            limit = self.ctx.cfg.lease.claim_concurrency
+            outcomes = await bounded(take, limit, lambda cid: self.claimer.claim(cid, dead_owner=me, source=source))
+            # Stopped since it was handed to us: free it, or it stays ours and unstreamed for good.
+            lost = [cid for cid, o in zip(take, outcomes, strict=True) if o is Outcome.LOST]
+            await bounded(lost, limit, lambda cid: self.ctx.leases.free_stopped(cid, me))
+            # Only what is still neither held nor being claimed (a concurrent claim may have won one).
+            excess = [cid for cid in excess if not self.holdings.busy(cid)]
+            if excess and self.session.may_claim() and me == self.session.session_id:
+                await self.give_back(excess, me)
+
+    async def give_back(self, ids: list[str], me: str) -> None:
+        """Handed more than we have room for (a peer's view of our load was stale): free them, with hints."""
+        freed = await free(self.ctx, ids, me)
+        self.ctx.stats.inc("rebalance_given_back_total", float(len(freed)))
+
+    async def free_strays(self) -> None:
+        """At shutdown: streams a peer handed us as we began to stop (it read our load before we were
+        draining) are freed now, with hints, rather than left to our session's end."""
+        me = self.session.session_id
+        strays = [cid for cid in await self.ctx.leases.items_of(me) if cid not in self.holdings]
+        if strays:
+            await self.give_back(strays, me)
+
+    # ----- free items ------------------------------------------------------------------------------------
+
+    async def _claim_free(self) -> bool:
+        """Claim one step of free items; True if there may be more (reconcile again soon).  Steps, each
+        after a delay proportional to our load, let shards that start together split the free items."""
+        holdings = self.holdings
+        want = min(holdings.free_capacity(), max(20, holdings.capacity // 20))
+        if want <= 0:
+            return False
+        # Unclaimable items we skip may sort first in the index: look past them.
+        candidates = await self.ctx.leases.free_items(limit=want * 2 + 10 + self.claimer.skipped_count())
+        ids = [cid for cid in candidates if cid not in holdings and not self.claimer.skipped(cid)]
+        random.shuffle(ids)  # peers scanning the same index should not all race for the same items
+        outcomes = await bounded(ids[:want], self.ctx.cfg.lease.claim_concurrency, self.claimer.claim)
+        if any(o is None for o in outcomes):
+            return False  # it stopped trying (full, stopping, or the session went): no quick next step
+        return len(ids) > want or (len(ids) == want and all(o is Outcome.WON for o in outcomes))
