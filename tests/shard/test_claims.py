@@ -62,8 +62,13 @@ async def _stopping(r: Rig) -> None:
     r.parts.ctx.stopping.set()
 
 
+_PINNED: list[object] = []
+
+
 async def _in_flight(r: Rig) -> None:
-    r.parts.holdings.claiming("a").__enter__()  # never exited: a claim of it stays in flight
+    slot = r.parts.holdings.claiming("a")
+    slot.__enter__()  # never exited: a claim of it stays in flight
+    _PINNED.append(slot)  # (collected, the context manager would exit and free the slot)
 
 
 @pytest.mark.parametrize(("case", "before", "cid", "capacity"), [
