@@ -2,28 +2,27 @@
 
 Process tests run ``python -m fleetd shard`` and send it real signals; a few tests
 run the shard in a thread of this process so they can read its counters directly.
-Timings are shortened (TTL 6 s, heartbeat 1 s, margin 1 s, reconcile 1 s).
+Timings are the fast profile of :mod:`bench.profile` (TTL 6 s, heartbeat 1 s, margin 1 s, reconcile 1 s).
 """
 
 from __future__ import annotations
 
 import asyncio
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import uvloop
 
+from bench import profile
 from fleetd import cli, config
 from fleetd.config import Config
 from fleetd.devstack import DevStack
 from fleetd.schema import HELD_BY_SESSION, SESSION_KIND
-from fleetd.shard import Shard
 from tests.fleet import (
     FleetdProc,
+    ShardThread,
     UpstreamProc,
     audit,
     ddb,
@@ -35,11 +34,6 @@ from tests.fleet import (
 )
 
 MODES = ["session", "item"]
-FAST = {"lease_ttl_s": 6.0, "heartbeat_s": 1.0, "safety_margin_s": 1.0, "reconcile_s": 1.0,
-        "desired_state_s": 1.0, "checkpoint_s": 1.0, "checkpoint_idle_s": 1.0, "hint_wait_s": 1,
-        "shutdown_budget_s": 8.0,
-        "backoff_max_s": 1.0, "ping_idle_s": 1.0, "ping_reply_s": 1.0, "aws_timeout_s": 1.0,
-        "aws_max_attempts": 2}
 
 
 @pytest.fixture
@@ -76,33 +70,8 @@ def max_concurrent(up: UpstreamProc, conns: list[str]) -> int:
     return max(int(stats[c]["max_concurrent"]) for c in conns)
 
 
-class ShardThread:
-    """A shard running in a thread of the test process (to read its counters)."""
-
-    def __init__(self, cfg: Config, index: int = 0) -> None:
-        self.shard = Shard(cfg, index)
-        self.code: int | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            code: int = runner.run(self.shard.run())
-            self.code = code
-
-    def counter(self, name: str, **labels: str) -> float:
-        return self.shard.stats.counter(name, **labels)
-
-    def stop(self, timeout_s: float = 20.0) -> int | None:
-        wait_for(lambda: self.shard.loop is not None, 10, what="shard loop")
-        self.shard.request_stop()
-        self.thread.join(timeout_s)
-        assert not self.thread.is_alive(), "shard did not stop"
-        return self.code
-
-
 def fast(cfg: Config, mode: str = "session", **extra: object) -> Config:
-    return config.replace(cfg, lease_mode=mode, **FAST, **extra)
+    return profile.fast(cfg, lease_mode=mode, **extra)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -171,7 +140,8 @@ def test_sigkill_one_of_two_shards_peer_takes_all(
         took = time.monotonic() - killed_at
         # TTL + margin + reconcile (+ a jittered round and slow CI): generous bound, figure printed.
         print(f"takeover after SIGKILL: {took:.2f} s")
-        assert took < 6 + 1 + 1 + 6
+        lease = profile.fast(cfg).lease
+        assert took < lease.lease_ttl_s + lease.safety_margin_s + lease.reconcile_s + 6
         wait_for(lambda: all(s["attached"] == 1 for s in upstream.stats().values()), 20, 0.5, "re-attached")
         time.sleep(3)
         b.signal(signal.SIGTERM)
@@ -228,16 +198,16 @@ def test_ctl_stop_closes_and_releases(
     seed_items(cfg, {cid: upstream.url(cid) for cid in conns})
     st = ShardThread(fast(cfg, mode))
     try:
-        wait_for(lambda: len(st.shard.held) == 5, 20, 0.2, "5 held")
+        wait_for(lambda: len(st.shard.held_ids()) == 5, 20, 0.2, "5 held")
         wait_for(lambda: upstream.stats()["c0002"]["attached"] == 1, 10, 0.2, "attached")
         with pytest.raises(SystemExit):
             cli.main(["ctl", "stop", "c0002"])
         stopped_at = time.monotonic()
         wait_for(lambda: upstream.stats()["c0002"]["attached"] == 0, 5, 0.05, "upstream to see the close")
-        assert time.monotonic() - stopped_at <= FAST["desired_state_s"] + 1.0 + 0.5
+        assert time.monotonic() - stopped_at <= st.cfg.lease.desired_state_s + 1.0 + 0.5
         wait_for(lambda: owners(cfg)["c0002"] == "", 5, 0.1, "lease released")
         time.sleep(2)
-        assert "c0002" not in st.shard.held and len(st.shard.held) == 4, "a stopped item is not re-claimed"
+        assert "c0002" not in st.shard.held_ids() and len(st.shard.held_ids()) == 4, "a stopped item is not re-claimed"
     finally:
         st.stop()
 
@@ -282,7 +252,7 @@ def test_bad_frames_and_bad_items_are_counted_and_the_shard_stays_healthy(
         "connection_id": {"S": "bare"}, "desired_state": {"S": "STARTED"}, "lease_expires_at_ms": {"N": "0"}})
     st = ShardThread(fast(cfg, max_frame_bytes=100_000))
     try:
-        wait_for(lambda: len(st.shard.held) == 6, 20, 0.2, "all 6 held (3 parked)")
+        wait_for(lambda: len(st.shard.held_ids()) == 6, 20, 0.2, "all 6 held (3 parked)")
         wait_for(lambda: all(upstream.stats()[c]["attached"] == 1 for c in conns), 10, 0.2, "attached")
         time.sleep(1)  # let sequenced frames flow first: a seq-less frame is rejected only in a sequenced stream
         for kind in ("malformed", "binary", "noseq", "malformed"):
@@ -317,8 +287,8 @@ def test_dynamodb_unreachable_fences_before_ttl_then_recovers(
             fenced_after = time.monotonic() - paused_at
             print(f"fenced {fenced_after:.2f} s after DynamoDB froze")
             # Before the TTL (6 s) from the last successful renewal, which was at most 1 s before the freeze.
-            assert fenced_after < FAST["lease_ttl_s"]
-            time.sleep(FAST["lease_ttl_s"] + 2 - fenced_after)
+            assert fenced_after < st.cfg.lease.lease_ttl_s
+            time.sleep(st.cfg.lease.lease_ttl_s + 2 - fenced_after)
         finally:
             stack.resume_dynamodb()
         wait_for(lambda: all(s["attached"] == 1 for s in upstream.stats().values()), 30, 0.2, "recovered")
@@ -478,21 +448,22 @@ def test_handed_more_than_room_gives_the_rest_back(cfg: Config, upstream: Upstre
     # No rebalancing loops: the receive loop runs the same scan at boot, racing the call below.
     st = ShardThread(fast(cfg, max_connections_per_shard=2, rebalance_s=0.0))
     try:
-        wait_for(lambda: st.shard.loop is not None and st.shard.session.session_id != "", 10, 0.1, "booted")
-        me, table = st.shard.session.session_id, cfg.aws.connections_table
+        wait_for(lambda: st.shard.loop is not None and st.shard.session_id != "", 10, 0.1, "booted")
+        me, table = st.shard.session_id, cfg.aws.connections_table
         for i, state in enumerate(("STARTED", "STARTED", "STARTED", "STARTED", "STOPPED")):
             ddb().put_item(TableName=table, Item={
                 "connection_id": {"S": f"h{i}"}, "desired_state": {"S": state}, "ws_url": {"S": upstream.url(f"h{i}")},
                 "lease_owner": {"S": me}, "lease_expires_at_ms": {"N": str(HELD_BY_SESSION)},
                 "lease_epoch": {"N": "3"}, "last_seq": {"N": "0"}})
-        assert st.shard.loop is not None
-        asyncio.run_coroutine_threadsafe(st.shard._adopt_own_strays(source="handed"), st.shard.loop).result(20)
+        assert st.shard.loop is not None and st.shard.parts is not None
+        adopt = st.shard.parts.reconciler.adopt_own_strays(source="handed")
+        asyncio.run_coroutine_threadsafe(adopt, st.shard.loop).result(20)
         own = owners(cfg)
         # Everything is streamed by us or free again; nothing stays ours unstreamed.
-        assert sorted(st.shard.held) == sorted(c for c in own if own[c] == me)
-        assert sorted(c for c in own if own[c] == "") == sorted(set(own) - set(st.shard.held))
+        assert sorted(st.shard.held_ids()) == sorted(c for c in own if own[c] == me)
+        assert sorted(c for c in own if own[c] == "") == sorted(set(own) - set(st.shard.held_ids()))
         assert own["h4"] == ""  # stopped: freed whether it was tried (claim refused) or left over
-        assert 1 <= len(st.shard.held) <= 2  # room for 2; 1 when the stopped one was among the 2 tried
+        assert 1 <= len(st.shard.held_ids()) <= 2  # room for 2; 1 when the stopped one was among the 2 tried
         assert st.counter("handed_claims_total") >= 1  # (the reconcile's own scan may adopt one too)
         assert st.counter("rebalance_given_back_total") >= 2
     finally:

@@ -28,21 +28,14 @@ import psutil
 import pytest
 
 from fleetd import config, exits
-from fleetd.burial import announce_dead
 from fleetd.config import Config
 from fleetd.devstack import DevStack, spawn, terminate
 from fleetd.metrics import scrape
-from fleetd.supervisor import reap_orphans, usable_cpus
+from fleetd.supervisor import announce_dead, reap_orphans, usable_cpus
 from tests import fleet
 from tests.fleet import UpstreamProc, scan_all, seed_items
 
 CONNECTIONS = 200
-TIMINGS = {
-    "FLEETD_LEASE_TTL_S": "6", "FLEETD_HEARTBEAT_S": "1", "FLEETD_SAFETY_MARGIN_S": "1",
-    "FLEETD_RECONCILE_S": "1", "FLEETD_DESIRED_STATE_S": "2", "FLEETD_HINT_WAIT_S": "1",
-    "FLEETD_SHUTDOWN_BUDGET_S": "8", "FLEETD_CHECKPOINT_S": "2", "FLEETD_CHECKPOINT_IDLE_S": "2",
-    "FLEETD_LOG_FORMAT": "json",
-}
 _METRICS_LINE = re.compile(r"metrics listening on (http://[0-9.]+:[0-9]+)")
 
 
@@ -54,8 +47,9 @@ class Run:
     """One ``fleetd run`` process tree with its log (stdout and stderr together)."""
 
     def __init__(self, cfg: Config, log_path: Path, *args: str, prefix: tuple[str, ...] = (), **env: str) -> None:
+        """``cfg`` on the fast profile (:func:`tests.fleet.fleetd_env`), then ``env``."""
         self.log_path = log_path
-        full_env = {**os.environ, **config.as_env(cfg), **TIMINGS, "FLEETD_ALLOWED_SCHEMES": "ws,wss", **env}
+        full_env = fleet.fleetd_env(cfg, FLEETD_ALLOWED_SCHEMES="ws,wss", **env)
         self.proc = spawn([*prefix, sys.executable, "-m", "fleetd", "run", "--metrics-addr", "127.0.0.1:0", *args],
                           log_path, env=full_env)
         self.started = time.monotonic()
@@ -513,7 +507,7 @@ def test_reap_orphans_leaves_protected_children_alone() -> None:
 def test_report_relay_keeps_only_the_latest_snapshot_and_flushes_on_close() -> None:
     import multiprocessing
 
-    from fleetd.child import ReportRelay
+    from fleetd.supervisor import ReportRelay
 
     recv, send = multiprocessing.Pipe(duplex=False)
     relay = ReportRelay(send)

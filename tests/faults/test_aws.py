@@ -40,19 +40,21 @@ import pytest
 from bench.audit import Verdict, check
 from bench.faults.proxy import ProxyThread
 from bench.procs import FleetdProc, UpstreamProc, ddb, scan_all, stop_all, wait_for
+from bench.profile import fast
 from fleetd.config import Config
 from tests.faults.record import record
-from tests.fleet import FAST_TIMINGS, audit, owners, seed_items, start_shard
+from tests.fleet import audit, owners, seed_items, start_shard
 
 MODES = ("session", "item")
 LONG_TRIALS = 20
 CI_TRIALS = {"dynamodb_blackhole": 2, "throttling": 2, "ambiguous_writes": 2, "sqs_down": 2, "rebalancing": 2}
 RATE = 4.0  # msg/s per stream
 GAP_MS = 600  # a stream silent this long (2.4 frame periods; bursts come closer) was not being streamed
-TTL_S = float(FAST_TIMINGS["FLEETD_LEASE_TTL_S"])
-MARGIN_MS = int(float(FAST_TIMINGS["FLEETD_SAFETY_MARGIN_S"]) * 1000)
-RECONCILE_S = float(FAST_TIMINGS["FLEETD_RECONCILE_S"])
-BUDGET_S = float(FAST_TIMINGS["FLEETD_SHUTDOWN_BUDGET_S"])
+FAST = fast()  # the shards' timings (tests.fleet.start_shard)
+TTL_S = FAST.lease.lease_ttl_s
+MARGIN_MS = int(FAST.lease.safety_margin_s * 1000)
+RECONCILE_S = FAST.lease.reconcile_s
+BUDGET_S = FAST.runtime.shutdown_budget_s
 EXIT_SLACK_S = 2.0  # interpreter start-up of the signal handler and teardown around the budget
 LIVE_TIMEOUT_S = 45.0
 THROTTLE_CODES = ("ProvisionedThroughputExceededException", "ThrottlingException")
@@ -541,7 +543,7 @@ def test_ambiguous_writes(trial: int, cfg: Config, tmp_path: Path, upstream: Ups
     assert not outcome.failures, "\n".join(outcome.failures)
 
 
-SQS_TTL_S = 20.0  # the default TTL: a takeover through expiry would show as ≥ 20 s
+SQS_TTL_S = Config().lease.lease_ttl_s  # the product TTL (20 s): a takeover through expiry would show as ≥ 20 s
 SQS_RECOVERY_BOUND_S = 2 * RECONCILE_S * 1.2 + 2.0  # two jittered reconcile rounds + close, flush, connect
 
 
@@ -574,7 +576,7 @@ def test_sqs_down(trial: int, cfg: Config, tmp_path: Path, upstream: UpstreamPro
 
 REBALANCE_S = 1.0  # every shard looks every second: hand-overs happen within the trial
 # A look leaves out peers younger than 2 × heartbeat + 2 s (fleetd.shard: their `held` lags their claims).
-SETTLE_S = 2 * float(FAST_TIMINGS["FLEETD_HEARTBEAT_S"]) + 2.0
+SETTLE_S = 2 * FAST.lease.heartbeat_s + 2.0
 
 
 def rebalancing(fleet: Fleet) -> FaultReport:

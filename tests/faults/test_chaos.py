@@ -44,13 +44,13 @@ from hypothesis import strategies as st
 from hypothesis.errors import HypothesisDeprecationWarning
 
 from bench.audit import Verdict, check
-from fleetd import config
+from bench.profile import fast, fast_env
 from fleetd.config import Config, LeaseConfig
 from fleetd.schema import HELD_BY_SESSION, SESSION_KIND
 from tests.faults.record import record
 from tests.fleet import (
-    FAST_TIMINGS,
     FleetdProc,
+    ShardThread,
     UpstreamProc,
     audit,
     ddb,
@@ -61,7 +61,6 @@ from tests.fleet import (
     stop_all,
     wait_for,
 )
-from tests.test_shard import FAST, ShardThread
 
 SEED = int(os.environ.get("FLEETD_FAULTS_SEED", "0")) or random.SystemRandom().randrange(1, 2**31)
 LONG_TRIALS = 20
@@ -237,13 +236,13 @@ class Fleet:
     clock_offsets: dict[str, int] = field(default_factory=dict)  # task id → FLEETD_CLOCK_OFFSET_MS
     incarnation: int = 0
 
-    def start(self, slot: str, **overrides: str) -> FleetdProc:
+    def start(self, slot: str, clock_offset_ms: int = 0) -> FleetdProc:
         self.incarnation += 1
         task = f"{slot}i{self.incarnation}"
-        env = {**self.env, **overrides}
-        proc = start_shard(self.cfg, self.log_dir, 0, task=task, **env)
+        proc = start_shard(self.cfg, self.log_dir, 0, task=task, **self.env,
+                           FLEETD_CLOCK_OFFSET_MS=str(clock_offset_ms))
         self.procs[slot], self.task[slot] = proc, task
-        self.clock_offsets[task] = int(env.get("FLEETD_CLOCK_OFFSET_MS", "0"))
+        self.clock_offsets[task] = clock_offset_ms
         return proc
 
     def offset_of(self, session_id: str) -> int:
@@ -578,7 +577,7 @@ def test_fuzzed_frames_are_counted_and_streams_lose_nothing(
     up = UpstreamProc(tmp_path, rate=20.0)
     ids = [f"f{i:03d}" for i in range(FUZZ_STREAMS)]
     seed_items(cfg, {cid: up.url(cid) for cid in ids})
-    shard = ShardThread(config.replace(cfg, **FAST, max_frame_bytes=MAX_FRAME))
+    shard = ShardThread(fast(cfg, max_frame_bytes=MAX_FRAME))
     try:
         wait_streaming(up, ids, time.monotonic(), 30)
         wait_for(lambda: all(s["sent"] >= 5 for s in up.stats().values()), 10, 0.1, "5 frames on every stream")
@@ -646,8 +645,11 @@ def _fuzz_trial(cfg: Config, up: UpstreamProc, ids: list[str], shard: ShardThrea
 
 # ======================================================================================= 3. clock skew
 
-SKEW_TIMINGS = {"FLEETD_LEASE_TTL_S": "8", "FLEETD_SAFETY_MARGIN_S": "2", "FLEETD_MAX_CONNECTIONS_PER_SHARD": "40"}
-SKEW_MS = 2000 - 500  # margin − 0.5 s
+# Over the fast profile: a 2 s margin (the assumed maximum skew) so that ±1.5 s of skew stays below it,
+# the TTL 2 s longer with it; 40 streams a shard, so that the two survivors of a trial hold all 60.
+SKEW_SETTINGS: dict[str, Any] = {"lease_ttl_s": 8.0, "safety_margin_s": 2.0, "max_connections_per_shard": 40}
+SKEW = fast(**SKEW_SETTINGS)
+SKEW_MS = int(SKEW.lease.safety_margin_s * 1000) - 500  # margin − 0.5 s
 
 
 @pytest.mark.timeout(LONG_TIMEOUT_S)
@@ -657,13 +659,13 @@ def test_clock_skew_below_the_margin_never_double_streams(cfg: Config, tmp_path:
 
     Recovery: from the signal (SIGKILL: the session expires first, TTL 8 s + margin)."""
     fleet = make_fleet(cfg, tmp_path, 60, rate=5.0)
-    fleet.env = dict(SKEW_TIMINGS)
+    fleet.env = fast_env(**SKEW_SETTINGS)
     offsets = [-SKEW_MS, 0, SKEW_MS]
     rng_for("clock_skew", -1).shuffle(offsets)
     skew = dict(zip(("a", "b", "c"), offsets, strict=True))
     try:
         for slot, offset in skew.items():
-            fleet.start(slot, FLEETD_CLOCK_OFFSET_MS=str(offset))
+            fleet.start(slot, clock_offset_ms=offset)
         fleet.wait_started()
         wait_for(lambda: all_owned_by_live(fleet), 30, 0.25, "all 60 claimed")
         wait_streaming(fleet.up, fleet.ids, time.monotonic(), 20)
@@ -685,9 +687,10 @@ def _skew_trial(fleet: Fleet, skew: dict[str, int], trial: int) -> None:
     fleet.procs[victim].wait(20)
     fleet.retire(victim)
     # SIGKILL: the session expires (TTL 8 s) and is seen dead margin (2 s) later on the peers' clocks.
-    wait_for(lambda: all_owned_by_live(fleet), 8 + 2 + 2 * SKEW_MS / 1000 + 6, 0.2, "peers to take over")
+    takeover_s = SKEW.lease.lease_ttl_s + SKEW.lease.safety_margin_s + 2 * SKEW_MS / 1000
+    wait_for(lambda: all_owned_by_live(fleet), takeover_s + 6, 0.2, "peers to take over")
     recovery = wait_streaming(fleet.up, fleet.ids, hit, 20)
-    fleet.start(victim, FLEETD_CLOCK_OFFSET_MS=str(skew[victim]))
+    fleet.start(victim, clock_offset_ms=skew[victim])
     fleet.wait_started(victim)
     settle_sink()
     fleet.assert_alive()
@@ -704,9 +707,8 @@ def _skew_trial(fleet: Fleet, skew: dict[str, int], trial: int) -> None:
 # ======================================================================================= 4. SIGKILL during shutdown
 
 KILL_ENV = {"FLEETD_MAX_CONNECTIONS_PER_SHARD": "40"}
-BUDGET_S = float(FAST_TIMINGS["FLEETD_SHUTDOWN_BUDGET_S"])
-TAKEOVER_S = (float(FAST_TIMINGS["FLEETD_LEASE_TTL_S"]) + float(FAST_TIMINGS["FLEETD_SAFETY_MARGIN_S"])
-              + float(FAST_TIMINGS["FLEETD_RECONCILE_S"]))
+BUDGET_S = fast().runtime.shutdown_budget_s
+TAKEOVER_S = fast().lease.lease_ttl_s + fast().lease.safety_margin_s + fast().lease.reconcile_s
 TAKEOVER_SLACK_S = 4.0
 
 
@@ -955,9 +957,9 @@ def test_garbage_items_are_parked_and_counted_while_good_ones_stream(
     # The full desired-state sweep (BatchGetItem of every held item) every second, so that each trial
     # sees several: an item it cannot parse must not be taken for deleted.
     sweep = {"desired_sweep_s": 1.0} if "desired_sweep_s" in {f.name for f in fields(LeaseConfig)} else {}
-    shard = ShardThread(config.replace(cfg, **FAST, **sweep, max_connections_per_shard=3000))
+    shard = ShardThread(fast(cfg, **sweep, max_connections_per_shard=3000))
     try:
-        wait_for(lambda: shard.shard.session.session_id, 20, 0.1, "the shard's session")
+        wait_for(lambda: shard.shard.session_id, 20, 0.1, "the shard's session")
         for trial in range(trials(long_run)):
             _bad_items_trial(cfg, up, shard, trial, log_trap)
     finally:
@@ -967,7 +969,7 @@ def test_garbage_items_are_parked_and_counted_while_good_ones_stream(
 
 
 def _held_by_me(cfg: Config, shard: ShardThread, ids: Iterable[str]) -> bool:
-    me, own = shard.shard.session.session_id, owners(cfg)
+    me, own = shard.shard.session_id, owners(cfg)
     return all(own.get(cid) == me for cid in ids)
 
 
@@ -988,12 +990,13 @@ def _bad_items_trial(cfg: Config, up: UpstreamProc, shard: ShardThread, trial: i
     try:
         wait_for(lambda: _held_by_me(cfg, shard, expect_held), 30, 0.5, "good, bad-url and unparseable items held")
     except AssertionError as e:
-        me, own = shard.shard.session.session_id, owners(cfg)
+        me, own = shard.shard.session_id, owners(cfg)
         failures = [r for r in log_trap.records if "failed" in r["event"]][-3:]
         raise AssertionError(f"{e}: {[(cid[:60], own.get(cid)) for cid in expect_held if own.get(cid) != me][:5]}, "
-                             f"held {len(shard.shard.held)}, our session {me}; last failures {failures}") from None
+                             f"held {len(shard.shard.held_ids())}, our session {me}; "
+                             f"last failures {failures}") from None
     recovery = wait_streaming(up, list(items.good.values()), written_at, 20)
-    time.sleep(3 * FAST["desired_state_s"] + 1)  # several desired-state checks and reconcile rounds
+    time.sleep(3 * shard.cfg.lease.desired_state_s + 1)  # several desired-state checks and reconcile rounds
     settle_sink()
     got = _bad_counts(shard) - before
     verdict = _judge_good(cfg, up, items.good)
@@ -1014,7 +1017,7 @@ def _bad_items_trial(cfg: Config, up: UpstreamProc, shard: ShardThread, trial: i
     assert got["fatal_claims"] <= len(items.unclaimable) + soup, "an unclaimable item was claimed again"
     assert got["lost"] == 0, "a parked item bounced (lost and re-adopted)"
     assert _held_by_me(cfg, shard, expect_held), "a held item was let go"
-    me, own = shard.shard.session.session_id, owners(cfg)
+    me, own = shard.shard.session_id, owners(cfg)
     assert not [cid for cid in items.invisible + items.unclaimable if own.get(cid) == me]
     problems = log_problems(log_trap.records)
     assert not problems, "unexpected log lines:\n" + "\n".join(problems[:10])
@@ -1041,8 +1044,8 @@ def _judge_good(cfg: Config, up: UpstreamProc, good: dict[str, str]) -> Verdict:
 
 # ======================================================================================= 6. process pause
 
-PAUSE_TTL_S = float(FAST_TIMINGS["FLEETD_LEASE_TTL_S"])
-PAUSE_MARGIN_S = float(FAST_TIMINGS["FLEETD_SAFETY_MARGIN_S"])
+PAUSE_TTL_S = fast().lease.lease_ttl_s
+PAUSE_MARGIN_S = fast().lease.safety_margin_s
 
 
 @pytest.mark.timeout(LONG_TIMEOUT_S)
