@@ -131,3 +131,19 @@ def test_a_stream_that_changed_while_being_read_is_left_alone(tables: Config) ->
             assert r.count("lease_lost_total", reason="deleted") == 0
 
     arun(body())
+
+
+def test_a_parked_item_given_a_valid_url_connects(tables: Config) -> None:
+    async def body() -> None:
+        async with rig(tables) as r:
+            await r.open()
+            await r.put_items("a", url="http://not-a-websocket/{cid}")
+            assert await r.parts.claimer.claim("a") is Outcome.WON
+            rec = r.parts.holdings.get("a")
+            assert rec is not None and rec.conn is None and r.count("bad_items_total", reason="bad_url") == 1
+            await r.update("a", "SET ws_url = :u", u="ws://upstream.test/fixed")  # `ctl start` with a new URL
+            await r.parts.desired.check(["a"])
+            await settle()
+            assert r.upstreams.open() == ["ws://upstream.test/fixed"] and rec.conn is not None
+
+    arun(body())
