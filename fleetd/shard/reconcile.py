@@ -22,9 +22,18 @@ from fleetd.shard.context import Context
 from fleetd.shard.freeing import free
 from fleetd.shard.holdings import Holdings
 from fleetd.shard.session import SessionKeeper
+from fleetd.shard.share import fair_share, mine_first
 
 log = logging.getLogger(__name__)
 STRAYS_EVERY = 12  # reconcile rounds between scans for items we own but do not hold
+# A shard's first claims wait this long after boot, so that shards started together (a deploy, a fleet
+# restart) see each other before they split the backlog: one that claimed alone first would take a
+# share it then has to hand over.
+BOOT_GATHER_S = 0.5
+# The free index is read up to this many times our room: a backlog that large fills every one of up
+# to this many sessions, so each may take its whole room at once.
+LOOKAHEAD = 8
+SESSIONS_FRESH_S = 1.0  # a list of live sessions is reused this long (one read for many takeovers)
 
 
 class Reconciler:
@@ -41,6 +50,8 @@ class Reconciler:
         self._strays_check_at = 0.0  # monotonic: look for items we own but do not hold (0: not due)
         self._adopting = asyncio.Lock()
         self._guard = Guard("reconcile", ctx.count_error, log)
+        self._gather_until = 0.0  # monotonic: no claims of the backlog before (set when the loop starts)
+        self._sessions: tuple[float, list[str]] = (-SESSIONS_FRESH_S, [])  # (read at, live session ids)
 
     # ----- what others tell us -----------------------------------------------------------------------
 
@@ -75,6 +86,7 @@ class Reconciler:
 
     async def run(self) -> None:
         lease = self.ctx.cfg.lease
+        self._gather_until = self.ctx.clock.monotonic() + BOOT_GATHER_S
         rounds = 0
         while not self.ctx.is_stopping():
             more = await self._guard.run(functools.partial(self._round, rounds), False)
@@ -103,6 +115,9 @@ class Reconciler:
         load = len(self.holdings) / self.holdings.capacity
         if load > 0 and await wait(self.ctx.stopping, load * min(1.0, self.ctx.cfg.lease.reconcile_s / 5)):
             return False
+        gather_s = self._gather_until - self.ctx.clock.monotonic()
+        if gather_s > 0 and await wait(self.ctx.stopping, gather_s):
+            return False
         if self.ctx.cfg.lease.lease_mode == "session":
             await self._take_over_dead()
         suspected = 0 < self._strays_check_at <= self.ctx.clock.monotonic()
@@ -121,12 +136,13 @@ class Reconciler:
         dead, dying_at_ms = await self.ctx.leases.dead_and_dying(horizon_ms)
         for sid in dead:
             if sid != self.session.session_id and self.holdings.free_capacity() > 0:
-                await self.take_over(sid)
+                await self.take_over(sid, shared=True)
         if dying_at_ms is not None:
             self._wake_at(dying_at_ms)
 
-    async def take_over(self, dead: str) -> bool:
-        """Claim a dead session's items; forget it once it owns nothing.  True when done.
+    async def take_over(self, dead: str, shared: bool = False) -> bool:
+        """Claim a dead session's items (``shared``: our share of them, our partition first; else all
+        we have room for, as for our own earlier session); forget it once it owns nothing.  True when done.
 
         Dead means a tombstone, written by us now (``fate``) if the session is expired without one:
         an expired session read from an index may have renewed since, and a renewal landing late
@@ -139,7 +155,7 @@ class Reconciler:
             return False
         ids = [cid for cid in await leases.items_of(dead) if not self.claimer.skipped(cid)]
         random.shuffle(ids)
-        ids = ids[: max(0, self.holdings.free_capacity())]
+        ids = await self._our_part(ids) if shared else ids[: max(0, self.holdings.free_capacity())]
         limit = self.ctx.cfg.lease.claim_concurrency
         outcomes = await bounded(ids, limit, lambda cid: self.claimer.claim(cid, dead_owner=dead))
         # A claim loses on a STOPPED item, or one a peer took first: free those still the dead's (the
@@ -190,18 +206,42 @@ class Reconciler:
 
     # ----- free items ------------------------------------------------------------------------------------
 
+    def _step(self) -> int:
+        """Claims of one step, when the backlog is not ours to take in one burst."""
+        return min(self.holdings.free_capacity(), max(20, self.holdings.capacity // 20))
+
+    async def _our_part(self, ids: list[str]) -> list[str]:
+        """Of a backlog (shuffled), what we claim now: all that fits if it is no more than a step;
+        else our share of it, our partition first (``fleetd.shard.share``)."""
+        room = max(0, self.holdings.free_capacity())
+        if len(ids) <= self._step():
+            return ids[:room]
+        me = self.session.session_id
+        sessions = await self._live_sessions()
+        want = min(room, max(self._step(), fair_share(len(ids), sessions, me)))
+        return mine_first(ids, sessions, me)[:want]
+
+    async def _live_sessions(self) -> list[str]:
+        read_at, sessions = self._sessions
+        now = self.ctx.clock.monotonic()
+        if now - read_at >= SESSIONS_FRESH_S:
+            sessions = await self.ctx.leases.live_sessions()
+            self._sessions = (now, sessions)
+        return sessions
+
     async def _claim_free(self) -> bool:
-        """Claim one step of free items; True if there may be more (reconcile again soon).  Steps, each
-        after a delay proportional to our load, let shards that start together split the free items."""
-        holdings = self.holdings
-        want = min(holdings.free_capacity(), max(20, holdings.capacity // 20))
-        if want <= 0:
+        """Claim our share of the free items in one burst (a step, if the backlog is small); True if
+        there may be more (reconcile again soon: each next step waits in proportion to our load)."""
+        room = self.holdings.free_capacity()
+        if room <= 0:
             return False
         # Unclaimable items we skip may sort first in the index: look past them.
-        candidates = await self.ctx.leases.free_items(limit=want * 2 + 10 + self.claimer.skipped_count())
-        ids = [cid for cid in candidates if cid not in holdings and not self.claimer.skipped(cid)]
+        limit = room * LOOKAHEAD + 10 + self.claimer.skipped_count()
+        candidates = await self.ctx.leases.free_items(limit=limit)
+        ids = [cid for cid in candidates if cid not in self.holdings and not self.claimer.skipped(cid)]
         random.shuffle(ids)  # peers scanning the same index should not all race for the same items
-        outcomes = await bounded(ids[:want], self.ctx.cfg.lease.claim_concurrency, self.claimer.claim)
+        take = await self._our_part(ids)
+        outcomes = await bounded(take, self.ctx.cfg.lease.claim_concurrency, self.claimer.claim)
         if any(o is None for o in outcomes):
             return False  # it stopped trying (full, stopping, or the session went): no quick next step
-        return len(ids) > want or (len(ids) == want and all(o is Outcome.WON for o in outcomes))
+        return len(ids) > len(take) or len(candidates) >= limit
