@@ -1,5 +1,5 @@
 """The reconciler (fleetd/shard/reconcile.py): takeovers decided by tombstones and grace on the ManualClock,
-strays, and free items claimed one step at a time.
+strays, and free items claimed in steps when our share is small (bursts: test_share.py).
 
 The fast profile keeps the product's ``dead_session_grace_s`` (60 s) and a 1 s safety margin: a dead
 session is forgotten only once its tombstone is more than 61 s old.
@@ -111,11 +111,14 @@ def test_take_over_claims_no_more_than_the_free_capacity(tables: Config) -> None
     arun(body())
 
 
-def test_claim_free_claims_at_most_one_step(tables: Config) -> None:
-    """A step is max(20, capacity / 20) items: capacity 100 and 30 free items take two steps."""
+def test_claim_free_claims_one_step_when_our_share_is_smaller(tables: Config) -> None:
+    """A step is max(20, capacity / 20) items: with five live peers our share of 30 free items is 5, so
+    capacity 100 takes them in two steps (a step, then the 10 that remain, no more than a step)."""
     async def body() -> None:
         async with rig(tables, capacity=100) as r:
             await r.open()
+            for n in range(5):
+                await r.peer_session(f"peer-{n}")
             await r.put_items(*(f"i{n:02d}" for n in range(30)))
             assert await r.parts.reconciler._claim_free() is True, "more remain"
             assert len(r.parts.holdings) == 20
