@@ -86,7 +86,7 @@ class Inbox:
             if self.holdings.free_capacity() <= 0:
                 await wait(self.ctx.stopping, 1.0)  # full: leave hints for peers
                 continue
-            if not await self._guard.run(self._poll, True):
+            if not await self._guard.run(self._poll, False):  # failed: wait before polling again
                 await wait(self._closed, 2.0)
 
     async def _poll(self) -> bool:
