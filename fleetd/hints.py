@@ -32,10 +32,9 @@ log = logging.getLogger("fleetd.hints")
 T = TypeVar("T")
 SEND_BATCH_MAX = 10  # SendMessageBatch limit
 SEND_CONCURRENCY = 16  # batch calls in flight at once (the SQS client pool holds more)
-# Connection ids in one message.  A handover of 900 streams in single-id messages was 90
-# SendMessageBatch calls and a queue of 900 messages, slower than the handover's budget against
-# the local SQS (bench failover); real SQS bills per call.  Ten ids are 0.5 KB, and a receive
-# still spreads a burst over peers ten messages at a time.
+# Connection ids in one message: a hand-over of N streams costs N / 100 SendMessageBatch calls, not
+# N / 10 (SQS bills per call), in 0.5 KB messages; a receive still spreads a burst over peers ten
+# messages at a time.
 IDS_PER_MESSAGE = 10
 STREAM_LINGER_S = 0.05  # a HintStream sends what it has after this, even short of a full batch
 # A received hint is handled in milliseconds.  A short visibility timeout bounds how long a

@@ -348,7 +348,7 @@ class LeaseStore:
         for part in await asyncio.gather(*(self._batch_get(c, max_wait_s, unreadable) for c in chunks)):
             found.update(part)
         # An item that exists but cannot be parsed says nothing about its state: leave it out.  Reported
-        # as None ("deleted") it made its owner drop it and re-adopt it forever (fault suite, issue #7).
+        # as None ("deleted"), its owner would drop it and re-adopt it forever.
         for cid in unreadable:
             found.pop(cid, None)
         return found

@@ -77,7 +77,7 @@ log = logging.getLogger("fleetd.upstream")
 _limiter = RateLimiter(10.0)
 _STABLE_S = 10.0  # a connection up this long resets the reconnect backoff
 # Largest seq accepted: 2^53 - 1, the largest integer JSON carries exactly between implementations
-# (RFC 7493 §2.2).  Beyond it a seq is a bad frame, not a jump (fault suite, issue #7).
+# (RFC 7493 §2.2).  Beyond it a seq is a bad frame, never a jump.
 MAX_SEQ = 2**53 - 1
 # How a connection opens a socket: picows's ``ws_connect`` (the deterministic simulation passes its own).
 Connector = Callable[..., Awaitable[tuple[WSTransport, Any]]]
