@@ -43,7 +43,7 @@ class Checkpointer:
                 h.cursor.checkpointed_seq = seq
                 h.checkpointed_at = now
             elif outcome is Outcome.LOST and self.holdings.get(cid) is h:
-                self.holdings.lose(cid, "checkpoint_lost")
+                self.holdings.fence(cid, "checkpoint_lost")
 
         await bounded(dirty, self.ctx.cfg.lease.claim_concurrency, one)
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from fleetd.aws import Outcome
 from fleetd.lease import ClaimResult
 from fleetd.shard.context import Context
-from fleetd.shard.freeing import free
+from fleetd.shard.freeing import disown
 from fleetd.shard.holdings import Holdings
 from fleetd.shard.session import SessionKeeper, fence_deadline
 
@@ -69,7 +69,7 @@ class Claimer:
     async def _disown_late(self, cid: str, me: str, result: ClaimResult) -> None:
         epoch = result.item.lease_epoch if result.item is not None else None
         try:
-            await free(self.ctx, [cid], me, epoch)
+            await disown(self.ctx, [cid], me, epoch)
         except Exception as e:  # the orphan sweep or the dead session's takeover frees it later
             log.warning("could not give back a late claim", extra={"connection_id": cid, "error": repr(e)})
 

@@ -53,9 +53,9 @@ class DesiredState:
             if self.holdings.get(cid) is not h:
                 continue  # changed while we were reading
             if item is None:
-                self.holdings.lose(cid, "deleted")
+                self.holdings.fence(cid, "deleted")
             elif item.lease_epoch > h.epoch or (item.lease_epoch == h.epoch and item.lease_owner != h.item.lease_owner):
-                self.holdings.lose(cid, "taken")
+                self.holdings.fence(cid, "taken")
             elif item.lease_epoch < h.epoch:
                 continue  # a stale (eventually consistent) read: nothing to conclude
             elif item.desired_state == STOPPED:

@@ -12,7 +12,7 @@ from fleetd.shard.context import Context
 log = logging.getLogger(__name__)
 
 
-async def free(ctx: Context, ids: list[str], owner: str, epoch: int | None = None) -> list[str]:
+async def disown(ctx: Context, ids: list[str], owner: str, epoch: int | None = None) -> list[str]:
     """Make these items, owned by ``owner`` and streamed by nobody, free (conditioned on that owner, and
     on ``epoch`` if given), with START hints; returns those freed."""
     outcomes = await bounded(ids, ctx.cfg.lease.claim_concurrency,

@@ -1,7 +1,7 @@
 """The streams a shard holds, and the only code that adds or removes one.
 
 Rule: a stream is in ``held`` exactly while this shard may stream it.  It enters by ``adopt`` (after
-a won claim), leaves by ``lose`` (fenced: lease lost or about to be, no write) or by ``release`` /
+a won claim), leaves by ``fence`` (lease lost or about to be: socket dropped, no write) or by ``release`` /
 ``forget`` (handed on: closed, flushed, released or pushed).  Every exit fences the socket, so no
 socket outlives its record; every send checks the record (``may_write``), so no message is written
 for a stream that left.
@@ -49,7 +49,7 @@ class Held:
 
 
 class Holdings:
-    """The held streams: claiming slots, adopt, lose, fence, restart, release; the only writer of ``held``."""
+    """The held streams: claiming slots, adopt, fence, restart, release; the only writer of ``held``."""
 
     def __init__(self, ctx: Context, session: SessionKeeper, connect: Connector, capacity: int,
                  suspect_strays: Callable[[], None]) -> None:
@@ -136,7 +136,7 @@ class Holdings:
         conn.start()
         return conn
 
-    def lose(self, cid: str, reason: str) -> None:
+    def fence(self, cid: str, reason: str) -> None:
         """Lease lost or about to expire: fence the stream now, no release."""
         h = self._held.pop(cid, None)
         if h is None:
@@ -150,7 +150,7 @@ class Holdings:
 
     def fence_all(self, reason: str) -> None:
         for cid in list(self._held):
-            self.lose(cid, reason)
+            self.fence(cid, reason)
 
     def forget(self, cid: str, h: Held) -> None:
         """A stream released or handed over: drop this record of it (never a newer one)."""
@@ -198,7 +198,7 @@ class Holdings:
             return False
         if self.ctx.cfg.lease.lease_mode == "item" and self.ctx.clock.monotonic() >= h.deadline:
             self.ctx.stats.inc("self_fence_total")
-            self.lose(cur.connection_id, "send_deadline")
+            self.fence(cur.connection_id, "send_deadline")
             return False
         return True
 

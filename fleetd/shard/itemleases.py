@@ -9,12 +9,15 @@ not push every other item's renewal past its deadline.
 from __future__ import annotations
 
 import asyncio
+import logging
 
-from fleetd.aio import wait
+from fleetd.aio import Guard, wait
 from fleetd.aws import Outcome
 from fleetd.shard.context import Context
 from fleetd.shard.holdings import Held, Holdings
 from fleetd.shard.session import SessionKeeper, fence_deadline
+
+log = logging.getLogger(__name__)
 
 
 class ItemLeases:
@@ -26,6 +29,7 @@ class ItemLeases:
         self.holdings = holdings
         self._renewing: dict[str, asyncio.Task[None]] = {}
         self._sem = asyncio.Semaphore(ctx.cfg.lease.renew_concurrency)
+        self._guard = Guard("item_fence", ctx.count_error, log)
 
     async def run(self) -> None:
         if self.ctx.cfg.lease.lease_mode != "item":
@@ -61,16 +65,19 @@ class ItemLeases:
         if outcome is Outcome.WON and clock.monotonic() < h.deadline:
             h.deadline = fence_deadline(self.ctx.cfg.lease, started)
         elif outcome is Outcome.LOST and self.holdings.get(cid) is h:
-            self.holdings.lose(cid, "renewal_lost")
+            self.holdings.fence(cid, "renewal_lost")
 
     async def _fence_loop(self) -> None:
         """Watchdog: fence each item at its deadline, however long its renewal hangs."""
         while not await wait(self.ctx.stopping, self._until_next_check()):
-            now = self.ctx.clock.monotonic()
-            for cid, h in self.holdings.entries():
-                if now >= h.deadline:
-                    self.ctx.stats.inc("self_fence_total")
-                    self.holdings.lose(cid, "self_fence")
+            await self._guard.run(self._fence_expired, None)
+
+    async def _fence_expired(self) -> None:
+        now = self.ctx.clock.monotonic()
+        for cid, h in self.holdings.entries():
+            if now >= h.deadline:
+                self.ctx.stats.inc("self_fence_total")
+                self.holdings.fence(cid, "self_fence")
 
     def _until_next_check(self) -> float:
         entries = self.holdings.entries()

@@ -15,7 +15,7 @@ import random
 from fleetd.aio import Guard, wait
 from fleetd.lease import Fate
 from fleetd.shard.context import Context
-from fleetd.shard.freeing import free
+from fleetd.shard.freeing import disown
 from fleetd.shard.reconcile import Reconciler
 from fleetd.shard.session import SessionKeeper
 
@@ -55,10 +55,10 @@ class OrphanSweeper:
             if fate is Fate.DEAD and owner not in self.session.previous():
                 self.reconciler.announce(owner)
             elif fate is Fate.GONE:
-                await self._free(owner, ids)
+                await self._disown_orphans(owner, ids)
 
-    async def _free(self, owner: str, ids: list[str]) -> None:
-        freed = await free(self.ctx, ids, owner)
+    async def _disown_orphans(self, owner: str, ids: list[str]) -> None:
+        freed = await disown(self.ctx, ids, owner)
         if freed:
             self.ctx.stats.inc("orphans_freed_total", float(len(freed)))
             log.warning("freed items of a session that no longer exists", extra={"owner": owner, "count": len(freed)})

@@ -19,7 +19,7 @@ from fleetd.aws import Outcome
 from fleetd.lease import Fate
 from fleetd.shard.claims import Claimer
 from fleetd.shard.context import Context
-from fleetd.shard.freeing import free
+from fleetd.shard.freeing import disown
 from fleetd.shard.holdings import Holdings
 from fleetd.shard.session import SessionKeeper
 from fleetd.shard.share import fair_share, mine_first
@@ -189,20 +189,20 @@ class Reconciler:
             # Only what is still neither held nor being claimed (a concurrent claim may have won one).
             excess = [cid for cid in excess if not self.holdings.busy(cid)]
             if excess and self.session.may_claim() and me == self.session.session_id:
-                await self.give_back(excess, me)
+                await self.disown_excess(excess, me)
 
-    async def give_back(self, ids: list[str], me: str) -> None:
+    async def disown_excess(self, ids: list[str], me: str) -> None:
         """Handed more than we have room for (a peer's view of our load was stale): free them, with hints."""
-        freed = await free(self.ctx, ids, me)
+        freed = await disown(self.ctx, ids, me)
         self.ctx.stats.inc("rebalance_given_back_total", float(len(freed)))
 
-    async def free_strays(self) -> None:
+    async def disown_strays(self) -> None:
         """At shutdown: streams a peer handed us as we began to stop (it read our load before we were
         draining) are freed now, with hints, rather than left to our session's end."""
         me = self.session.session_id
         strays = [cid for cid in await self.ctx.leases.items_of(me) if cid not in self.holdings]
         if strays:
-            await self.give_back(strays, me)
+            await self.disown_excess(strays, me)
 
     # ----- free items ------------------------------------------------------------------------------------
 

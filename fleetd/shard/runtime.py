@@ -252,7 +252,7 @@ class Shutdown:
             Phase("release", lambda: p.holdings.release(p.holdings.ids(), hint=True), release_s),
             Phase("fence_remaining", self._fence_remaining, 1.0),
             Phase("draining_mark_done", lambda: draining, 1.5, quiet=True),
-            Phase("free_strays", p.reconciler.free_strays, 2.0, quiet=True),
+            Phase("disown_strays", p.reconciler.disown_strays, 2.0, quiet=True),
             Phase("end_session", p.session.end, 1.5, quiet=True),
         )
         for phase in phases:

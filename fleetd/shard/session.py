@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fleetd import logs
-from fleetd.aio import Backoff, retrying, wait
+from fleetd.aio import Backoff, Guard, retrying, wait
 from fleetd.aws import Outcome
 from fleetd.config import LeaseConfig
 from fleetd.lease import SessionInfo
@@ -104,6 +104,8 @@ class SessionKeeper:
         self.tasks = tasks
         self.state = SessionState()
         self.replacing = asyncio.Lock()
+        self._heartbeat_guard = Guard("heartbeat", ctx.count_error, log)
+        self._fence_guard = Guard("fence", ctx.count_error, log)
 
     # ----- views ---------------------------------------------------------------------------------------
 
@@ -171,13 +173,14 @@ class SessionKeeper:
         beat = self.ctx.cfg.lease.heartbeat_s
         delay = beat
         while not await wait(self.ctx.stopping, delay):
-            ok = self.state.abandoned or await self.renew()  # abandoned: a replacement is under way
+            # Abandoned: a replacement is under way.  A failed round retries sooner (the fence loop guards safety).
+            ok = self.state.abandoned or await self._heartbeat_guard.run(self.renew, False)
             delay = beat if ok else min(1.0, beat / 4)
 
     async def _fence_loop(self) -> None:
         """Watchdog: fence everything at the session's deadline, however long a renewal call hangs."""
         while not await wait(self.ctx.stopping, self._until_next_check()):
-            await self._enforce_deadline()
+            await self._fence_guard.run(self._enforce_deadline, None)
 
     def _until_next_check(self) -> float:
         """At most 0.25 s; while the session is given up (deadline 0) a plain 0.25 s, not a spin."""

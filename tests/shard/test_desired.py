@@ -120,7 +120,7 @@ def test_a_stream_that_changed_while_being_read_is_left_alone(tables: Config) ->
 
             async def reclaimed_meanwhile(original: Any, *args: Any, **kwargs: Any) -> Any:
                 await original(*args, **kwargs)
-                r.parts.holdings.lose("a", "test")
+                r.parts.holdings.fence("a", "test")
                 await r.update("a", "REMOVE lease_owner SET lease_expires_at_ms = :zero", zero=0)
                 assert await r.parts.claimer.claim("a") is Outcome.WON
                 return {"a": None}  # "deleted", as read for the first tenure

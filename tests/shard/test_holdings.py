@@ -59,9 +59,9 @@ def test_adopt_lose_forget_fence_all_keep_held_and_cursors_consistent(tables: Co
             assert all(rec.cursor.lease_epoch == 2 and rec.cursor.last_seq == 7 for rec in records.values())
             consistent(h, records)
 
-            h.lose("a", "test")
+            h.fence("a", "test")
             assert "a" not in h and r.count("lease_lost_total", reason="test") == 1
-            h.lose("a", "test")  # not held: nothing happens, nothing counted
+            h.fence("a", "test")  # not held: nothing happens, nothing counted
             assert r.count("lease_lost_total", reason="test") == 1
             consistent(h, records)
 
@@ -70,7 +70,7 @@ def test_adopt_lose_forget_fence_all_keep_held_and_cursors_consistent(tables: Co
             consistent(h, records)
 
             # A stale record (the stream was lost and claimed again meanwhile) never drops the newer one.
-            h.lose("c", "test")
+            h.fence("c", "test")
             h.adopt("c", won(item("c", epoch=3)))
             newer = h.get("c")
             assert newer is not None
@@ -104,7 +104,7 @@ def test_unreadable_and_bad_url_items_are_held_parked(tables: Config) -> None:
             assert r.count("bad_items_total", reason="bad_url") == 1
             parked = h.get("unreadable")
             assert parked is not None
-            h.lose("unreadable", "test")
+            h.fence("unreadable", "test")
             assert not parked.cursor.active, "a parked stream's cursor is fenced too"
 
     arun(body())
@@ -135,7 +135,7 @@ def test_may_write_only_a_held_streams_current_cursor_under_a_live_session(table
 
             h.forget("b", b)  # released
             assert not h.may_write(b.cursor)
-            h.lose("a", "test")
+            h.fence("a", "test")
             h.adopt("a", won(item("a", epoch=2)))
             assert not h.may_write(a.cursor), "the cursor of an earlier tenure"
             newer = h.get("a")
@@ -206,7 +206,7 @@ def test_restart_opens_no_socket_for_a_stream_that_left_during_the_close(tables:
             sock = r.upstreams.sockets[0]
             assert sock.is_close_frame_sent and not restart.done()
             if exit_ == "lose":
-                h.lose("a", "test")
+                h.fence("a", "test")
             elif exit_ == "forget":
                 h.forget("a", rec)
             else:
