@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from bench.sim.net import FaultMix, Request
-from bench.sim.world import START, Params, World
+from bench.sim.world import FAST, START, Params, World
 from fleetd import config
 
 
@@ -75,26 +75,82 @@ def _corrupt_setup(w: World) -> None:
     w.sched.at(START + w.p.faults_until, corrupt)
 
 
+def _sid(req: Request) -> str:
+    key = req.params.get("Key") or {}
+    return str(key.get("session_id", {}).get("S", ""))
+
+
+def _cid(req: Request) -> str:
+    key = req.params.get("Key") or {}
+    return str(key.get("connection_id", {}).get("S", ""))
+
+
+def _expr(req: Request) -> str:
+    return str(req.params.get("UpdateExpression", ""))
+
+
+def _values(req: Request) -> dict[str, object]:
+    return dict(req.params.get("ExpressionAttributeValues") or {})
+
+
+def _new_conn(w: World) -> str:
+    """A new connection, started by ``fleetd ctl start`` (its UpdateItem and START hint) now."""
+    cid = w._create_item(direct=False)
+    w.ctl_start(cid)
+    return cid
+
+
 def _late_renewal(p: Params) -> None:
     quiet(p)
     session_mode(p)
-    p.rates = [1.0] * len(p.rates)
+    # A heartbeat of 2 s with a TTL of 4 s and a margin of 1 s: the renewal after the last good one is
+    # sent 1 s before the fence deadline, and a read timeout of 2 s lets its answer arrive after it.
+    p.cfg = config.replace(p.cfg, **dict(FAST, heartbeat_s=2.0, aws_timeout_s=2.0, dead_session_grace_s=6.0))
+    p.index_lag_ms = (0, 5)
+    p.faults_until = max(p.faults_until, 12.0)
 
 
 def _late_renewal_setup(w: World) -> None:
-    """Defect 1: renewals of t0/s0 stop being answered (applied, answers lost) so its fence fires; the
-    last one sent before the fence is answered late, after the fence, while the replacement session's
-    PutItem is throttled."""
-    ttl = w.cfg.lease.lease_ttl_s
+    """Defect 1: t0/s0's first renewal after START+3 s is applied at once but answered just after its
+    fence deadline (D = the last good renewal's send + TTL - margin), so the shard has fenced and
+    abandoned its session when a WON for it arrives; every later renewal, its own expiry of the session
+    and its replacement's first PutItems are throttled.  A new connection is started just after D,
+    and t1/s0 may not claim it as a free item: only the revived session can.  Its session then
+    expires in DynamoDB and t1/s0 takes the new connection over from it."""
+    ttl, margin = w.cfg.lease.lease_ttl_s, w.cfg.lease.safety_margin_s
+    sessions = w.cfg.aws.sessions_table
     t0 = START + 3.0
+    st: dict[str, float | str] = {"sid": "", "last_ok": 0.0, "late_at": 0.0}
+    new: list[str] = []
 
     def renewal(req: Request) -> bool:
-        return _is(req, "UpdateItem", w.cfg.aws.sessions_table, "t0/s0") and req.sent_at >= t0
-    w.net.rule(renewal, "lost", times=3 * int(ttl))
-    w.net.rule(lambda r: renewal(r) and r.sent_at >= t0 + ttl - 2.0, "delay", times=1, delay_s=2.5)
-    w.net.rule(lambda r: _is(r, "PutItem", w.cfg.aws.sessions_table, "t0/s0") and r.sent_at >= t0, "throttle",
-               times=6)
-    w.net.rules.reverse()  # the later, more specific rules first
+        return (_is(req, "UpdateItem", sessions, "t0/s0") and "expires_at_ms = :exp" in _expr(req)
+                and (not st["sid"] or _sid(req) == st["sid"]))
+
+    def late(req: Request) -> bool:
+        if not renewal(req) or req.attempt != 1:
+            return False
+        if req.sent_at < t0:
+            st["sid"], st["last_ok"] = _sid(req), req.sent_at  # answered at once (a calm network)
+            return False
+        if st["late_at"]:
+            return False
+        deadline = float(st["last_ok"]) + ttl - margin
+        st["late_at"] = req.sent_at
+        late_rule.delay_s = deadline + 0.05 - req.sent_at  # answered just after the fence
+        w.sched.at(deadline + 0.2, lambda: new.append(_new_conn(w)))
+        return True
+
+    late_rule = w.net.rule(late, "delay", times=1)
+    w.net.rule(lambda r: renewal(r) and bool(st["late_at"]) and r.sent_at > float(st["late_at"]), "throttle",
+               times=1000)
+    w.net.rule(lambda r: _is(r, "UpdateItem", sessions, "t0/s0") and bool(st["late_at"])
+               and _sid(r) == st["sid"] and ":zero" in _values(r) and "expires_at_ms = :exp" not in _expr(r),
+               "throttle", times=100)  # the shard's own expiry (tombstone) of the session it abandons
+    w.net.rule(lambda r: _is(r, "PutItem", sessions, "t0/s0") and bool(st["late_at"]), "throttle", times=9)
+    w.net.rule(lambda r: _is(r, "UpdateItem", w.cfg.aws.connections_table, "t1/") and bool(new)
+               and _cid(r) == new[0] and ":dead" not in _values(r) and r.sent_at < float(st["late_at"]) + 6.0,
+               "throttle", times=1000)  # t1/s0 may take the new connection only from a dead owner
 
 
 def _lost_claim(p: Params) -> None:
