@@ -153,6 +153,48 @@ def _late_renewal_setup(w: World) -> None:
                "throttle", times=1000)  # t1/s0 may take the new connection only from a dead owner
 
 
+def _late_claim_answer(p: Params) -> None:
+    quiet(p)
+    p.cfg = config.replace(p.cfg, **dict(FAST, lease_mode="item", rebalance_s=0.0, max_connections_per_shard=700,
+                                         aws_timeout_s=4.0, dead_session_grace_s=12.0))
+    p.tasks, p.shards_per_task = 2, 1
+    p.skews_ms = [0] * len(p.skews_ms)
+    p.index_lag_ms = (0, 5)
+    p.faults_until = max(p.faults_until, 12.0)
+
+
+LATE_CLAIM_S = 3.8
+"""How late t0/s0's claim is answered: more than TTL - (TTL - margin) + margin = 2 s past the point where
+a deadline counted from the send would have fenced it, and within the read timeout (4 s)."""
+
+
+def _late_claim_answer_setup(w: World) -> None:
+    """Defect 2 (item mode): a new connection is started at START+3 s; t1/s0 cannot claim it as a free
+    item until t0/s0's claim has been sent; that claim is applied at once (its lease expires at send + TTL)
+    but answered 3.8 s later, and t0/s0's renewals of it are throttled.  A fence deadline counted from the
+    answer (answer + TTL - margin = send + 6.8 s) outlives the lease peers may claim from send + TTL +
+    margin = send + 5 s; counted from the send (send + 3 s) the late answer is not streamed at all."""
+    conns = w.cfg.aws.connections_table
+    new: list[str] = []
+    sent: list[float] = []
+
+    def claim(req: Request, proc: str) -> bool:
+        return (_is(req, "UpdateItem", conns, proc) and bool(new) and _cid(req) == new[0]
+                and _expr(req).startswith("SET lease_owner = :me"))
+
+    def late(req: Request) -> bool:
+        if claim(req, "t0/s0") and req.attempt == 1:
+            sent.append(req.sent_at)
+            return True
+        return False
+
+    w.sched.at(START + 3.0, lambda: new.append(_new_conn(w)))
+    w.net.rule(late, "delay", times=1, delay_s=LATE_CLAIM_S)
+    w.net.rule(lambda r: claim(r, "t1/") and not sent, "throttle", times=1000)
+    w.net.rule(lambda r: _is(r, "UpdateItem", conns, "t0/s0") and bool(new) and _cid(r) == new[0]
+               and _expr(r) == "SET lease_expires_at_ms = :exp", "throttle", times=1000)  # its renewals
+
+
 def _lost_claim(p: Params) -> None:
     quiet(p)
     session_mode(p)
@@ -193,6 +235,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              quiet, _corrupt_setup),
     Scenario("late_renewal", "defect 1: a renewal answered after the fence, replacement PutItem throttled",
              _late_renewal, _late_renewal_setup),
+    Scenario("late_claim_answer", "defect 2: item mode, a claim answered 3.8 s after its send, renewals throttled",
+             _late_claim_answer, _late_claim_answer_setup),
     Scenario("lost_claim", "defect 3: a claim's SDK retry lands after the session died", _lost_claim,
              _lost_claim_setup),
     Scenario("pause", "a shard paused for 2 x TTL, then resumed", _pause, _pause_setup),
