@@ -14,12 +14,13 @@ Times are virtual seconds; ``START`` is the world's start.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from bench.sim.net import FaultMix, Request
 from bench.sim.world import FAST, START, Params, World
-from fleetd import config
+from fleetd import config, items
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +196,94 @@ def _late_claim_answer_setup(w: World) -> None:
                and _expr(r) == "SET lease_expires_at_ms = :exp", "throttle", times=1000)  # its renewals
 
 
+def _ctl_start_url(w: World, cid: str, url: str, hint: bool) -> None:
+    """``fleetd ctl start CID --url URL`` through the ctl process's clients: the item's UpdateItem
+    (fleetd/items.py), then, if ``hint``, its START hint."""
+    assert w.ctl is not None and w.ctl.clients is not None
+    clients = w.ctl.clients
+    params = dict(items.start_update(w.cfg.aws.connections_table, cid, url, w.true_ms()), ReturnValues="ALL_OLD")
+    w.say(f"scenario: ctl start {cid} {url} hint={hint}")
+
+    async def run() -> None:
+        await clients.dynamodb.update_item(**params)
+        if hint:
+            await _send_start_hint(w, cid)
+
+    w.ctl.loop.create_task(run())
+
+
+async def _send_start_hint(w: World, cid: str) -> None:
+    assert w.ctl is not None and w.ctl.clients is not None
+    sqs = w.ctl.clients.sqs
+    url = (await sqs.get_queue_url(QueueName=w.cfg.aws.hints_queue))["QueueUrl"]
+    await sqs.send_message(QueueUrl=url, MessageBody=json.dumps({"type": "START", "connection_id": cid}))
+
+
+def _restart_overlap(p: Params) -> None:
+    quiet(p)
+    session_mode(p, tasks=1, spt=1)
+    p.cfg = config.replace(p.cfg, **dict(FAST, lease_mode="session", rebalance_s=0.0, max_connections_per_shard=700))
+    p.index_lag_ms = (0, 5)
+    p.faults_until = max(p.faults_until, 12.0)
+
+
+def _restart_overlap_setup(w: World) -> None:
+    """Defect 5: at START+3 s ``ctl start c00`` gives it a new URL, its hint lost.  The next desired-state
+    sweep sees the change and restarts c00, whose upstream has just stalled, so the polite close waits
+    out its 1 s timeout; meanwhile the START hint arrives (sent again), the hint path reads c00 too and
+    starts a second restart of the same stream.  Each one, after its close, opens a socket on the one
+    cursor."""
+    _restart_during(w, stop=False)
+
+
+def _restart_release_setup(w: World) -> None:
+    """Defect 5, the release variant: as ``restart_overlap``, but ``ctl stop c00`` is applied while the
+    sweep's restart waits for the close, and the START hint arriving then makes the hint path read c00
+    as STOPPED and release it.  The restart, resumed after its close, opens a socket for a stream the
+    shard no longer holds (and nobody closes: it is STOPPED)."""
+    _restart_during(w, stop=True)
+
+
+def _restart_during(w: World, stop: bool) -> None:
+    cid = "c00"
+    url = w.ups.url(cid) + "?v=2"
+    written: list[float] = []
+    seen: list[float] = []
+    stopped: list[float] = []
+
+    def applied(req: Request, resp: object) -> None:
+        if req.proc != "ctl" or _cid(req) != cid:
+            return
+        if not written and url in str(req.params):
+            written.append(w.vt.now)
+        elif written and not stopped and ":stopped" in _values(req):
+            stopped.append(w.vt.now)
+            _hint_now(w, cid)
+
+    def sweep(req: Request) -> bool:
+        if (written and not seen and req.op == "BatchGetItem" and req.proc.startswith("t0/s0")
+                and any(k["connection_id"]["S"] == cid for k in req.params["RequestItems"][w.cfg.aws.connections_table]
+                        ["Keys"])):
+            seen.append(req.sent_at)
+            w.say(f"scenario: the sweep reads {cid}; its upstream stalls, {'a stop and ' if stop else ''}"
+                  f"a START hint follow")
+            w.ups.stall(cid)
+            if stop:
+                w.sched.at(req.sent_at + 0.05, lambda: w.ctl_stop(cid))
+            else:
+                w.sched.at(req.sent_at + 0.05, lambda: _hint_now(w, cid))
+        return False
+
+    w.net.on_apply.append(applied)
+    w.sched.at(START + 3.0, lambda: _ctl_start_url(w, cid, url, hint=False))
+    w.net.rule(sweep, "ok", times=1)
+
+
+def _hint_now(w: World, cid: str) -> None:
+    assert w.ctl is not None
+    w.ctl.loop.create_task(_send_start_hint(w, cid))
+
+
 def _lost_claim(p: Params) -> None:
     quiet(p)
     session_mode(p)
@@ -237,6 +326,10 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              _late_renewal, _late_renewal_setup),
     Scenario("late_claim_answer", "defect 2: item mode, a claim answered 3.8 s after its send, renewals throttled",
              _late_claim_answer, _late_claim_answer_setup),
+    Scenario("restart_overlap", "defect 5: a sweep and a START hint restart one stream at once (two sockets)",
+             _restart_overlap, _restart_overlap_setup),
+    Scenario("restart_release", "defect 5: a stream released while its restart closes the old socket",
+             _restart_overlap, _restart_release_setup),
     Scenario("lost_claim", "defect 3: a claim's SDK retry lands after the session died", _lost_claim,
              _lost_claim_setup),
     Scenario("pause", "a shard paused for 2 x TTL, then resumed", _pause, _pause_setup),
