@@ -284,6 +284,71 @@ def _hint_now(w: World, cid: str) -> None:
     w.ctl.loop.create_task(_send_start_hint(w, cid))
 
 
+def _reconcile_storm(p: Params) -> None:
+    quiet(p)
+    session_mode(p, tasks=1, spt=1)
+    p.cfg = config.replace(p.cfg, **dict(FAST, lease_mode="session", rebalance_s=0.0, max_connections_per_shard=700))
+    p.conns = 3
+    p.index_lag_ms = (0, 5)
+    p.faults_until = max(p.faults_until, 14.0)
+
+
+STORM_NEW_CONNS = 60
+"""More free items than one claim step (35 at a capacity of 700)."""
+STORM_MAX_QUERIES = 5
+"""Free-item queries a shard may send while it has no session (it can claim nothing meanwhile)."""
+
+
+def _reconcile_storm_setup(w: World) -> None:
+    """Defect 7: t0/s0's renewals are throttled from START+3 s, so it fences and replaces its session; the
+    replacement's PutItems are throttled 9 times (seconds), and 60 new connections are started the moment
+    it gives its session up.  While it has no session it can claim nothing, so its reconcile should not
+    read the index; it is a violation (``reconcile_storm``) to send more than 5 free-item queries (``by_state_expiry``)
+    between giving the session up and the replacement's PutItem that succeeds."""
+    sessions, conns = w.cfg.aws.sessions_table, w.cfg.aws.connections_table
+    st: dict[str, object] = {"sid": "", "gave_up": 0.0, "queries": 0, "claims": 0, "judged": False}
+
+    def renewal(req: Request) -> bool:
+        if not (_is(req, "UpdateItem", sessions, "t0/s0") and "expires_at_ms = :exp" in _expr(req)):
+            return False
+        if req.sent_at < START + 3.0:
+            st["sid"] = _sid(req)
+            return False
+        return _sid(req) == st["sid"]
+
+    def judge() -> None:
+        if st["judged"] or not st["gave_up"]:
+            return
+        st["judged"] = True
+        n = int(str(st["queries"]))
+        w.say(f"scenario: {n} free-item queries and {st['claims']} claims while t0/s0 had no session")
+        if n > STORM_MAX_QUERIES:
+            w.checker.fail("reconcile_storm", f"t0/s0 sent {n} free-item queries and {st['claims']} claims "
+                                              f"in {w.vt.now - float(str(st['gave_up'])):.2f} s without a session")
+
+    def watch(req: Request) -> None:
+        if not req.proc.startswith("t0/s0"):
+            return
+        if (not st["gave_up"] and req.op == "UpdateItem" and req.table == sessions and st["sid"]
+                and _sid(req) == st["sid"] and ":zero" in _values(req)):
+            st["gave_up"] = req.sent_at  # it expires the session it gave up
+            w.say(f"scenario: t0/s0 gave its session up; {STORM_NEW_CONNS} connections start")
+            for _ in range(STORM_NEW_CONNS):
+                w._create_item(direct=True)
+        elif st["gave_up"] and not st["judged"]:
+            if req.op == "Query" and req.table == conns and ":started" in str(req.params.get("KeyConditionExpression")):
+                st["queries"] = int(str(st["queries"])) + 1
+            elif req.op == "UpdateItem" and req.table == conns and "ADD lease_epoch" in _expr(req):
+                st["claims"] = int(str(st["claims"])) + 1
+            elif req.op == "PutItem" and req.table == sessions and req.fault == "ok":
+                judge()
+
+    w.net.on_send.append(watch)
+    w.net.rule(renewal, "throttle", times=1000)
+    w.net.rule(lambda r: _is(r, "PutItem", sessions, "t0/s0") and bool(st["gave_up"]), "throttle", times=9)
+    w.sched.at(START + w.p.faults_until, judge)
+
+
 def _lost_claim(p: Params) -> None:
     quiet(p)
     session_mode(p)
@@ -330,6 +395,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              _restart_overlap, _restart_overlap_setup),
     Scenario("restart_release", "defect 5: a stream released while its restart closes the old socket",
              _restart_overlap, _restart_release_setup),
+    Scenario("reconcile_storm", "defect 7: index queries while the session is being replaced (60 free items)",
+             _reconcile_storm, _reconcile_storm_setup),
     Scenario("lost_claim", "defect 3: a claim's SDK retry lands after the session died", _lost_claim,
              _lost_claim_setup),
     Scenario("pause", "a shard paused for 2 x TTL, then resumed", _pause, _pause_setup),
