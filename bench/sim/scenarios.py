@@ -13,14 +13,16 @@ Times are virtual seconds; ``START`` is the world's start.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from bench.sim.net import FaultMix, Request
-from bench.sim.world import FAST, START, Params, World
+from bench.sim.world import FAST, START, Params, SimClock, World
 from fleetd import config, items
+from fleetd.lease import LeaseStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +48,14 @@ def quiet(p: Params) -> None:
 def session_mode(p: Params, tasks: int = 2, spt: int = 1) -> None:
     p.cfg = config.replace(p.cfg, lease_mode="session", rebalance_s=0.0, max_connections_per_shard=700)
     p.tasks, p.shards_per_task = tasks, spt
+
+
+def fast(p: Params, **changes: object) -> None:
+    """The CI profile's timings (``FAST``) with ``changes``, and the seed's clock skews brought inside
+    half its safety margin (they were drawn for the seed's own profile, whose margin may be wider)."""
+    p.cfg = config.replace(p.cfg, **dict(FAST, **changes))
+    half = int(p.cfg.lease.safety_margin_s * 500)
+    p.skews_ms = [max(-half, min(half, s)) for s in p.skews_ms]
 
 
 def _is(req: Request, op: str, table_suffix: str, proc_prefix: str) -> bool:
@@ -106,7 +116,7 @@ def _late_renewal(p: Params) -> None:
     session_mode(p)
     # A heartbeat of 2 s with a TTL of 4 s and a margin of 1 s: the renewal after the last good one is
     # sent 1 s before the fence deadline, and a read timeout of 2 s lets its answer arrive after it.
-    p.cfg = config.replace(p.cfg, **dict(FAST, heartbeat_s=2.0, aws_timeout_s=2.0, dead_session_grace_s=6.0))
+    fast(p, heartbeat_s=2.0, aws_timeout_s=2.0, dead_session_grace_s=6.0)
     p.index_lag_ms = (0, 5)
     p.faults_until = max(p.faults_until, 12.0)
 
@@ -156,8 +166,8 @@ def _late_renewal_setup(w: World) -> None:
 
 def _late_claim_answer(p: Params) -> None:
     quiet(p)
-    p.cfg = config.replace(p.cfg, **dict(FAST, lease_mode="item", rebalance_s=0.0, max_connections_per_shard=700,
-                                         aws_timeout_s=4.0, dead_session_grace_s=12.0))
+    fast(p, lease_mode="item", rebalance_s=0.0, max_connections_per_shard=700, aws_timeout_s=4.0,
+         dead_session_grace_s=12.0)
     p.tasks, p.shards_per_task = 2, 1
     p.skews_ms = [0] * len(p.skews_ms)
     p.index_lag_ms = (0, 5)
@@ -222,7 +232,7 @@ async def _send_start_hint(w: World, cid: str) -> None:
 def _restart_overlap(p: Params) -> None:
     quiet(p)
     session_mode(p, tasks=1, spt=1)
-    p.cfg = config.replace(p.cfg, **dict(FAST, lease_mode="session", rebalance_s=0.0, max_connections_per_shard=700))
+    fast(p, lease_mode="session", rebalance_s=0.0, max_connections_per_shard=700)
     p.index_lag_ms = (0, 5)
     p.faults_until = max(p.faults_until, 12.0)
 
@@ -287,7 +297,7 @@ def _hint_now(w: World, cid: str) -> None:
 def _reconcile_storm(p: Params) -> None:
     quiet(p)
     session_mode(p, tasks=1, spt=1)
-    p.cfg = config.replace(p.cfg, **dict(FAST, lease_mode="session", rebalance_s=0.0, max_connections_per_shard=700))
+    fast(p, lease_mode="session", rebalance_s=0.0, max_connections_per_shard=700)
     p.conns = 3
     p.index_lag_ms = (0, 5)
     p.faults_until = max(p.faults_until, 14.0)
@@ -349,6 +359,72 @@ def _reconcile_storm_setup(w: World) -> None:
     w.sched.at(START + w.p.faults_until, judge)
 
 
+def _dead_session_hint(p: Params) -> None:
+    quiet(p)
+    session_mode(p, tasks=2, spt=1)
+    fast(p, lease_mode="session", rebalance_s=0.0, max_connections_per_shard=700)
+    p.index_lag_ms = (3000, 3000)  # every index answers 3 s behind the table
+    p.faults_until = max(p.faults_until, 16.0)
+
+
+DEAD_HINT_TAKEOVER_S = 1.5
+"""A peer told by a DEAD_SESSION hint streams the dead session's connections again within this."""
+
+
+def _dead_session_hint_setup(w: World) -> None:
+    """Defect 9: at START+10 s the shard holding the most streams is SIGKILLed and not restarted; its
+    supervisor (the scenario, through the supervisor process's clients) expires its session as fleetd's
+    supervisor does and then sends DEAD_SESSION hints naming it (4 waves of 3, 0.3 s apart: the dead
+    shard's own poll, still open, may take the first).  Every index lags 3 s.  The peer that receives a
+    hint should check the named session directly (a consistent read) and take its streams over: it is a
+    violation (``dead_hint_ignored``) if one of them is not streamed again within 1.5 s of the first
+    hint.  A peer that only wakes its reconcile reads ``by_expiry``, which still shows the session alive."""
+    sessions = w.cfg.aws.sessions_table
+    sids: dict[str, str] = {}
+
+    def watch(req: Request) -> None:
+        if req.op == "UpdateItem" and req.table == sessions and "expires_at_ms = :exp" in _expr(req):
+            sids[req.proc] = _sid(req)
+
+    def crash() -> None:
+        shards = w.running_shards()
+        held = {p.name: sorted(cid for cid, recs in w.checker.open.items() for r in recs if r.proc == p.name)
+                for p in shards}
+        victim = max(shards, key=lambda p: (len(held[p.name]), p.name))
+        cids, sid = held[victim.name], sids[victim.name]
+        w.say(f"scenario: {victim.name} (session {sid}) crashes holding {cids}; its supervisor buries it")
+        w.crash(victim, restart=False)
+        sup = victim.task.supervisor if victim.task is not None else None
+        assert sup is not None and sup.clients is not None
+        clients, cfg = sup.clients, victim.task.cfg if victim.task is not None else w.cfg
+
+        async def bury() -> None:
+            await LeaseStore(clients.dynamodb, cfg.aws, cfg.lease, SimClock(w.vt, 0)).expire_session(sid)
+            url = (await clients.sqs.get_queue_url(QueueName=cfg.aws.hints_queue))["QueueUrl"]
+            body = json.dumps({"type": "DEAD_SESSION", "session_id": sid})
+            hinted = w.vt.now
+            w.sched.at(hinted + DEAD_HINT_TAKEOVER_S, lambda: judge(cids, hinted))
+            for wave in range(4):  # as fleetd's supervisor: 4 waves of 3 copies, 0.3 s apart
+                if wave:
+                    await asyncio.sleep(0.3)
+                await clients.sqs.send_message_batch(QueueUrl=url, Entries=[{"Id": str(i), "MessageBody": body}
+                                                                             for i in range(3)])
+                w.say(f"scenario: DEAD_SESSION {sid} hinted (wave {wave + 1})")
+
+        sup.loop.create_task(bury())
+
+    def judge(cids: list[str], hinted: float) -> None:
+        running = {p.name for p in w.running_shards()}
+        unstreamed = [cid for cid in cids if not any(r.proc in running for r in w.checker.open.get(cid, []))]
+        if unstreamed:
+            w.checker.fail("dead_hint_ignored", f"{len(unstreamed)} of the {len(cids)} streams of the session "
+                                                f"hinted dead at {hinted - START:.3f} s not streamed "
+                                                f"{DEAD_HINT_TAKEOVER_S} s later: {unstreamed}")
+
+    w.net.on_send.append(watch)
+    w.sched.at(START + 10.0, crash)  # the indexes have long shown who owns what
+
+
 def _lost_claim(p: Params) -> None:
     quiet(p)
     session_mode(p)
@@ -397,6 +473,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              _restart_overlap, _restart_release_setup),
     Scenario("reconcile_storm", "defect 7: index queries while the session is being replaced (60 free items)",
              _reconcile_storm, _reconcile_storm_setup),
+    Scenario("dead_session_hint", "defect 9: a DEAD_SESSION hint taken over within 1.5 s while indexes lag 3 s",
+             _dead_session_hint, _dead_session_hint_setup),
     Scenario("lost_claim", "defect 3: a claim's SDK retry lands after the session died", _lost_claim,
              _lost_claim_setup),
     Scenario("pause", "a shard paused for 2 x TTL, then resumed", _pause, _pause_setup),
