@@ -28,10 +28,11 @@ import psutil
 import pytest
 
 from fleetd import config, exits
+from fleetd.burial import announce_dead
 from fleetd.config import Config
 from fleetd.devstack import DevStack, spawn, terminate
 from fleetd.metrics import scrape
-from fleetd.supervisor import announce_dead, reap_orphans, usable_cpus
+from fleetd.supervisor import reap_orphans, usable_cpus
 from tests import fleet
 from tests.fleet import UpstreamProc, scan_all, seed_items
 
@@ -507,7 +508,7 @@ def test_reap_orphans_leaves_protected_children_alone() -> None:
 def test_report_relay_keeps_only_the_latest_snapshot_and_flushes_on_close() -> None:
     import multiprocessing
 
-    from fleetd.supervisor import ReportRelay
+    from fleetd.child import ReportRelay
 
     recv, send = multiprocessing.Pipe(duplex=False)
     relay = ReportRelay(send)
