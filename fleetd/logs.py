@@ -4,6 +4,10 @@ Context such as the shard number and session id is attached once with
 :func:`set_context`; per-event fields (``connection_id``, ``reason`` …) go in
 ``extra=``.  picows logs every connect and disconnect at INFO, which at thousands
 of connections is noise, so its logger is raised to WARNING.
+
+Both formatters redact URLs in the message, in string fields and in tracebacks
+(:func:`fleetd.validation.redact_urls`): an upstream URL's query string may carry a
+token, and whoever reads the logs need not see it.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import time
 from typing import Any
 
 import orjson
+
+from fleetd.validation import redact_urls
 
 _RESERVED = frozenset(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime"}
 _context: dict[str, Any] = {}
@@ -30,14 +36,14 @@ class JsonFormatter(logging.Formatter):
             "ts": round(record.created, 3),
             "level": record.levelname,
             "logger": record.name,
-            "event": record.getMessage(),
+            "event": redact_urls(record.getMessage()),
             **_context,
         }
         for key, value in record.__dict__.items():
             if key not in _RESERVED and not key.startswith("_"):
-                out[key] = value
+                out[key] = redact_urls(value) if isinstance(value, str) else value
         if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
+            out["exc"] = redact_urls(self.formatException(record.exc_info))
         return orjson.dumps(out, default=str).decode()
 
 
@@ -50,7 +56,7 @@ class TextFormatter(logging.Formatter):
         line = f"{stamp} {record.levelname:<7} {record.name}: {record.getMessage()} {extra}".rstrip()
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
-        return line
+        return redact_urls(line)
 
 
 def setup(fmt: str = "json", level: str = "INFO") -> None:

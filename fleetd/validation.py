@@ -2,13 +2,21 @@
 
 Both the control plane (``fleetd ctl``) and the shards use it: a shard must refuse a URL
 written by another client just as ``ctl start`` refuses it at the prompt.
+
+:func:`validate_url` checks a URL's form and its host name against the allow-list.  Where
+a name leads is only known at connect time: :func:`address_refusal` is the policy the
+upstream connector (:mod:`fleetd.upstream`) applies to every resolved address before it
+opens a socket to it.  :func:`redact_url` and :func:`redact_urls` keep URL credentials and
+query strings (which may carry tokens) out of logs and error messages.
 """
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 from collections.abc import Sequence
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from urllib.parse import SplitResult, urlsplit, urlunsplit
 
 from fleetd.config import UpstreamConfig
@@ -17,6 +25,13 @@ MAX_ID_BYTES = 1024
 MAX_URL_CHARS = 8192  # far below DynamoDB's item limit; anything longer is garbage, not a stream
 
 _LABEL = re.compile(r"(?!-)[a-z0-9_-]{1,63}(?<!-)")
+
+# Why an upstream connect was refused (the ``reason`` label of ``upstream_connect_refused_total``).
+REFUSAL_REASONS = ("redirect", "loopback", "private", "link_local", "multicast", "unspecified", "non_global")
+_PRIVATE = tuple(ipaddress.ip_network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "fc00::/7"))
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")  # RFC 6052: the low 32 bits are the IPv4 address reached
+_URL_IN_TEXT = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+REDACTED = "\u2026"  # …
 
 
 def validate_id(connection_id: str) -> str:
@@ -45,7 +60,7 @@ def validate_url(url: str, cfg: UpstreamConfig) -> str:
     if len(text) > MAX_URL_CHARS:
         raise ValueError(f"URL is longer than {MAX_URL_CHARS} characters")
     if any(c.isspace() or not c.isprintable() for c in text):
-        raise ValueError(f"URL {_short(text)} contains whitespace or control characters")
+        raise ValueError(f"URL {_short(redact_url(text))} contains whitespace or control characters")
     parts, port = _split(text)
     scheme = _check_scheme(parts.scheme.lower(), cfg.allowed_schemes)
     if parts.username is not None or parts.password is not None:
@@ -61,12 +76,88 @@ def validate_url(url: str, cfg: UpstreamConfig) -> str:
     return urlunsplit((scheme, netloc, parts.path or "/", parts.query, ""))
 
 
+def address_refusal(address: str | IPv4Address | IPv6Address, allowed_networks: Sequence[str] = ()) -> str | None:
+    """None if an upstream may be reached at ``address``, else the reason it may not (a label value).
+
+    Refused unless in one of ``allowed_networks``: loopback, private (RFC 1918, fc00::/7), link-local,
+    multicast, unspecified and every other non-global address.  An IPv4-mapped (``::ffff:a.b.c.d``) or
+    NAT64 (``64:ff9b::a.b.c.d``) IPv6 address is judged as the IPv4 address it reaches.
+    """
+    ip = ipaddress.ip_address(address) if isinstance(address, str) else address
+    if isinstance(ip, IPv6Address):
+        if ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        elif ip in _NAT64:
+            ip = IPv4Address(int(ip) & 0xFFFF_FFFF)
+    reason = _address_kind(ip)
+    if reason is None or any(ip in net for net in _networks(tuple(allowed_networks))):
+        return None
+    return reason
+
+
+def _address_kind(ip: IPv4Address | IPv6Address) -> str | None:
+    if ip.is_unspecified:
+        return "unspecified"
+    if ip.is_loopback:
+        return "loopback"
+    if ip.is_link_local:
+        return "link_local"
+    if ip.is_multicast:
+        return "multicast"
+    if any(ip in net for net in _PRIVATE):
+        return "private"
+    if not ip.is_global or ip.is_reserved or (isinstance(ip, IPv6Address) and ip.is_site_local):
+        return "non_global"  # shared (100.64/10), documentation, benchmarking, reserved, 0/8, site-local …
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def _networks(texts: tuple[str, ...]) -> tuple[IPv4Network | IPv6Network, ...]:
+    return tuple(ipaddress.ip_network(t, strict=False) for t in texts)  # validated by fleetd.config
+
+
+def host_exempt(host: str, allowed_hosts: Sequence[str]) -> bool:
+    """True if ``host`` is listed in ``allowed_hosts``: its operator vouches for where it resolves."""
+    try:
+        name = _normal_host(host)
+    except ValueError:
+        return False
+    return name in {h.lower().removesuffix(".") for h in allowed_hosts}
+
+
+def redact_url(url: str) -> str:
+    """``url`` fit for a log line or an error: user info, query and fragment replaced by ``…``.
+
+    ``wss://user:pw@feed.example/s?token=abc`` becomes ``wss://…@feed.example/s?…``.  Works on
+    malformed input too (no parsing that could fail).
+    """
+    head, sep, rest = url.partition("://")
+    if not sep:
+        head, rest = "", url
+    else:
+        head += sep
+    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    authority, tail = rest[:end], rest[end:]
+    if "@" in authority:
+        authority = REDACTED + "@" + authority.rpartition("@")[2]
+    tail, hashed, _ = tail.partition("#")
+    path, queried, _ = tail.partition("?")
+    return head + authority + path + ("?" + REDACTED if queried else "") + ("#" + REDACTED if hashed else "")
+
+
+def redact_urls(text: str) -> str:
+    """``text`` with every URL in it passed through :func:`redact_url`."""
+    if "://" not in text:
+        return text
+    return _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
+
+
 def _split(text: str) -> tuple[SplitResult, int | None]:
     try:
         parts = urlsplit(text)
         port = parts.port  # parsed lazily: a bad port only raises here
     except ValueError as e:
-        raise ValueError(f"malformed URL {_short(text)}: {e}") from None
+        raise ValueError(f"malformed URL {_short(redact_url(text))}: {e}") from None
     if port == 0:
         raise ValueError("port must be in 1-65535")
     return parts, port

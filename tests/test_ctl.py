@@ -18,7 +18,7 @@ from fleetd.clock import SystemClock
 from fleetd.config import Config, UpstreamConfig, as_env
 from fleetd.lease import STARTED, STOPPED, LeaseStore, SessionInfo
 from fleetd.schema import HELD_BY_SESSION
-from fleetd.validation import MAX_ID_BYTES, validate_id, validate_url
+from fleetd.validation import MAX_ID_BYTES, address_refusal, redact_url, validate_id, validate_url
 from tests.helpers import arun, clients
 
 # ----- helpers ------------------------------------------------------------------------------------------
@@ -234,6 +234,16 @@ def test_start_rejects_garbage_urls(ctl_env: Config, capsys: pytest.CaptureFixtu
         assert (code, out) == (exits.USAGE, ""), url
         assert_one_error_line(err, "invalid URL")
     assert ddb_item(ctl_env, "g") is None
+
+
+def test_start_errors_redact_url_credentials_and_query(ctl_env: Config, capsys: pytest.CaptureFixture[str]) -> None:
+    """A query string may carry a token: the one error line must not echo it (nor a password)."""
+    for url in ("wss://feed.example.com/p?token=SECRET x", "wss://me:SECRET@feed.example.com:99999/p?t=SECRET"):
+        code, out, err = fleetd(capsys, "ctl", "start", "r", url)
+        assert (code, out) == (exits.USAGE, ""), url
+        assert_one_error_line(err, "invalid URL", "feed.example.com")
+        assert "SECRET" not in err, err
+    assert ddb_item(ctl_env, "r") is None
 
 
 def test_start_rejects_invalid_ids(ctl_env: Config, capsys: pytest.CaptureFixture[str]) -> None:
@@ -524,3 +534,58 @@ def test_validate_id() -> None:
     for bad in ("", "a\nb", "\udcff", "x" * 1025):
         with pytest.raises(ValueError):
             validate_id(bad)
+
+
+@pytest.mark.parametrize(("address", "reason"), [
+    ("8.8.8.8", None),
+    ("2606:4700:4700::1111", None),
+    ("64:ff9b::808:808", None),  # NAT64 of a global address
+    ("127.0.0.1", "loopback"),
+    ("127.9.9.9", "loopback"),
+    ("::1", "loopback"),
+    ("::ffff:127.0.0.1", "loopback"),  # IPv4-mapped IPv6
+    ("10.0.0.7", "private"),
+    ("172.16.5.4", "private"),
+    ("192.168.1.1", "private"),
+    ("fd12:3456::1", "private"),
+    ("::ffff:10.0.0.1", "private"),
+    ("169.254.169.254", "link_local"),
+    ("fe80::1", "link_local"),
+    ("fe80::1%1", "link_local"),
+    ("64:ff9b::a9fe:a9fe", "link_local"),  # NAT64 of 169.254.169.254
+    ("224.0.0.1", "multicast"),
+    ("ff02::1", "multicast"),
+    ("ff0e::1", "multicast"),
+    ("0.0.0.0", "unspecified"),
+    ("::", "unspecified"),
+    ("100.64.0.1", "non_global"),  # shared address space (carrier-grade NAT)
+    ("192.0.2.1", "non_global"),  # documentation
+    ("240.0.0.1", "non_global"),  # reserved
+    ("0.1.2.3", "non_global"),
+    ("fec0::1", "non_global"),  # deprecated site-local
+])
+def test_address_refusal(address: str, reason: str | None) -> None:
+    assert address_refusal(address) == reason
+
+
+def test_allowed_networks_lift_a_refusal_for_their_addresses_only() -> None:
+    loopback = ("127.0.0.0/8", "::1/128")
+    assert address_refusal("127.0.0.1", loopback) is None
+    assert address_refusal("::ffff:127.0.0.1", loopback) is None  # the IPv4 address it reaches is allowed
+    assert address_refusal("::1", loopback) is None
+    assert address_refusal("169.254.169.254", loopback) == "link_local"
+    assert address_refusal("10.0.0.7", ("10.0.0.0/24",)) is None
+    assert address_refusal("10.0.1.7", ("10.0.0.0/24",)) == "private"
+
+
+@pytest.mark.parametrize(("url", "redacted"), [
+    ("wss://feed.example.com/s", "wss://feed.example.com/s"),
+    ("wss://feed.example.com:8443/s?token=abc&x=1", "wss://feed.example.com:8443/s?\u2026"),
+    ("wss://user:pw@feed.example.com/s", "wss://\u2026@feed.example.com/s"),
+    ("ws://h?from_seq=5", "ws://h?\u2026"),
+    ("wss://h/p#frag", "wss://h/p#\u2026"),
+    ("wss://[::1]:9000/x?k=v", "wss://[::1]:9000/x?\u2026"),
+    ("not a url?secret", "not a url?\u2026"),
+])
+def test_redact_url(url: str, redacted: str) -> None:
+    assert redact_url(url) == redacted
