@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import ipaddress
 import math
 import os
 import tomllib
@@ -30,6 +32,17 @@ LogFormat = Literal["json", "text"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 
 ENV_PREFIX = "FLEETD_"
+# FLEETD_* variables that are not settings, so not refused as unknown (see load()).  Everything else with
+# the prefix must be a setting: a typo such as FLEETD_ALLOWED_HOST would otherwise silently mean "allow all".
+ENV_NOT_SETTINGS: Mapping[str, str] = {
+    "FLEETD_CONFIG": "the TOML config file",
+    "FLEETD_DYNALITE": "path of dynalite's cli.js for the local stack (`fleetd dev`, tests)",
+    "FLEETD_FAULTS_SEED": "test harness: the fault suite's seed",
+    "FLEETD_FAULTS_RESULTS": "test harness: where the fault suite records its trials",
+    "FLEETD_FAULTS_KEEP": "test harness: keep the fault suite's tables",
+}
+# The local stack's upstreams listen on loopback: `fleetd dev`, the tests and the benchmarks allow it.
+LOOPBACK_NETWORKS: tuple[str, ...] = ("127.0.0.0/8", "::1/128")
 
 
 class ConfigError(ValueError):
@@ -119,7 +132,17 @@ class UpstreamConfig:
     """Upstream WebSocket connections and the resumption protocol (SPEC §5)."""
 
     allowed_schemes: tuple[str, ...] = _doc("URL schemes `ctl start` and shards accept.", default=("wss",))
-    allowed_hosts: tuple[str, ...] = _doc("Host allow-list; empty allows every host.", default=())
+    allowed_hosts: tuple[str, ...] = _doc(
+        "Host allow-list; empty allows every host.  A host listed here is also exempt from the address check "
+        "of `allowed_networks` (its operator vouches for where its name resolves).", default=())
+    allowed_networks: tuple[str, ...] = _doc(
+        "CIDR networks an upstream may resolve to although they are not global (`127.0.0.0/8,::1/128` for a "
+        "local upstream, `10.0.0.0/8` for a VPC one).  Every upstream's name is resolved at connect time and "
+        "the socket opened to a checked address (so DNS rebinding cannot swap it): loopback, private "
+        "(RFC 1918, fc00::/7), link-local (169.254.0.0/16, fe80::/10), multicast, unspecified and other "
+        "non-global addresses (IPv4-mapped IPv6 included) are refused unless in one of these networks or the "
+        "host is in `allowed_hosts`.  Redirects are never followed.  Refusals count as "
+        "`upstream_connect_refused_total{reason}`.", default=())
     seq_field: str = _doc("JSON field holding a frame's sequence number.", default="seq")
     resume_param: str = _doc("Query parameter carrying the first seq wanted on reconnect.", default="from_seq")
     resume: bool = _doc("Append the resume parameter when reconnecting with a known `last_seq`.", default=True)
@@ -303,6 +326,7 @@ def load(
     """
     env = os.environ if env is None else env
     flags = flags or {}
+    _refuse_unknown_env(env)
     path = config_file or env.get(ENV_PREFIX + "CONFIG")
     file_values = _read_toml(path) if path else {}
     known = {s.name for s in settings()}
@@ -320,6 +344,17 @@ def load(
     cfg = Config(**{g: cls(**values[g]) for g, cls in GROUPS})
     validate(cfg)
     return cfg
+
+
+def _refuse_unknown_env(env: Mapping[str, str]) -> None:
+    """A ``FLEETD_*`` variable that is no setting (nor in :data:`ENV_NOT_SETTINGS`) is a mistake: refuse it."""
+    known = {s.env for s in settings()} | set(ENV_NOT_SETTINGS)
+    unknown = sorted(name for name in env if name.startswith(ENV_PREFIX) and name not in known)
+    if unknown:
+        bare = {name.removeprefix(ENV_PREFIX): name for name in known}  # the shared prefix would match anything
+        close = difflib.get_close_matches(unknown[0].removeprefix(ENV_PREFIX), sorted(bare), n=1)
+        hint = f" (did you mean {bare[close[0]]}?)" if close else ""
+        raise ConfigError(f"unknown environment variable {unknown[0]}: not a fleetd setting{hint}")
 
 
 def flags_from_namespace(ns: argparse.Namespace) -> dict[str, Any]:
@@ -366,6 +401,8 @@ def _checks(cfg: Config) -> Iterator[tuple[bool, str]]:
     yield bool(up.allowed_schemes), "allowed_schemes must not be empty"
     bad = [s for s in up.allowed_schemes if s not in ("ws", "wss")]
     yield not bad, f"allowed_schemes may contain only ws and wss (got {','.join(bad)})"
+    bad = [n for n in up.allowed_networks if not _valid_network(n)]
+    yield not bad, f"allowed_networks must be CIDR networks such as 10.0.0.0/8 (got {','.join(bad)})"
     yield up.max_frame_bytes > 0, "max_frame_bytes must be > 0"
     yield up.max_seq_jump >= 0, f"max_seq_jump must be >= 0 (got {up.max_seq_jump})"
     yield 0 < up.backoff_min_s <= up.backoff_max_s, "need 0 < backoff_min_s <= backoff_max_s"
@@ -385,6 +422,14 @@ def _checks(cfg: Config) -> Iterator[tuple[bool, str]]:
     yield rt.shutdown_budget_s > 0, "shutdown_budget_s must be > 0"
     yield rt.cloudwatch_s > 0, "cloudwatch_s must be > 0"
     yield _valid_addr(rt.metrics_addr), f"metrics_addr must be host:port (got {rt.metrics_addr!r})"
+
+
+def _valid_network(text: str) -> bool:
+    try:
+        ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        return False
+    return True
 
 
 def _valid_addr(addr: str) -> bool:

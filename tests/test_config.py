@@ -140,6 +140,11 @@ def test_integer_settings_accept_integral_toml_floats(tmp_path: Path) -> None:
     ({"FLEETD_METRICS_ADDR": "9108"}, "metrics_addr must be host:port"),
     ({"FLEETD_SINK_LOW_WATERMARK": "30000"}, "sink_low_watermark"),
     ({"FLEETD_BACKOFF_MIN_S": "40"}, "backoff_min_s"),
+    ({"FLEETD_ALLOWED_NETWORKS": "127.0.0.0/8,loopback"}, "allowed_networks must be CIDR networks"),
+    ({"FLEETD_ALLOWED_NETWORKS": "10.0.0.0/33"}, "(got 10.0.0.0/33)"),
+    ({"FLEETD_ALLOWED_HOST": "feed.example.com"},
+     "unknown environment variable FLEETD_ALLOWED_HOST: not a fleetd setting (did you mean FLEETD_ALLOWED_HOSTS?)"),
+    ({"FLEETD_NOPE": "1"}, "unknown environment variable FLEETD_NOPE: not a fleetd setting"),
 ])
 def test_invalid_values_raise_config_error(env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -230,3 +235,45 @@ def test_cli_reports_a_bad_config_file_in_one_line(tmp_path: Path) -> None:
     assert proc.returncode == exits.USAGE
     assert len(proc.stderr.splitlines()) == 1 and "not valid TOML" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_allowed_networks_is_a_cidr_list_and_empty_by_default() -> None:
+    assert config.load(env={}).upstream.allowed_networks == ()
+    cfg = config.load(env={"FLEETD_ALLOWED_NETWORKS": "127.0.0.0/8, ::1/128,10.1.2.3"})
+    assert cfg.upstream.allowed_networks == ("127.0.0.0/8", "::1/128", "10.1.2.3")  # a bare address is a /32
+
+
+def test_the_fleetd_variables_that_are_not_settings_are_accepted() -> None:
+    env = {name: "x" for name in config.ENV_NOT_SETTINGS if name != "FLEETD_CONFIG"}
+    assert config.load(env=env) == Config()
+
+
+def test_every_fleetd_variable_the_repo_names_is_a_setting_or_a_listed_exception() -> None:
+    """Tests, benchmarks, tools and docs must not set a FLEETD_* variable fleetd would now refuse."""
+    root = Path(__file__).resolve().parent.parent
+    known = {s.env for s in config.settings()} | set(config.ENV_NOT_SETTINGS)
+    known |= {"FLEETD_BENCH_ENV"}  # a Python name in bench/sut.py, not a variable
+    known |= {"FLEETD_ALLOWED_HOST", "FLEETD_NOPE"}  # the typos these tests make on purpose
+    seen: dict[str, str] = {}
+    for top in ("fleetd", "bench", "tests", "tools", "docs", "deploy"):
+        for path in sorted((root / top).rglob("*")):
+            if path.suffix not in (".py", ".md", ".yaml", ".yml", ".toml", ".sh") or "results" in path.parts:
+                continue
+            for name in re.findall(r"\bFLEETD_[A-Z0-9_]*[A-Z0-9]\b", path.read_text(encoding="utf-8")):
+                seen.setdefault(name, str(path.relative_to(root)))
+    unknown = {name: where for name, where in seen.items() if name not in known}
+    assert not unknown, f"FLEETD_* variables that are no setting (fleetd exits 2 on them): {unknown}"
+
+
+def test_cli_names_an_unknown_fleetd_variable_in_one_line() -> None:
+    """A typo must not silently mean the default (FLEETD_ALLOWED_HOST left allowed_hosts empty: every host)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEETD_")}
+    env.update({"FLEETD_ALLOWED_HOST": "feed.example.com",
+                "AWS_ENDPOINT_URL_DYNAMODB": "http://127.0.0.1:9", "AWS_ENDPOINT_URL_SQS": "http://127.0.0.1:9"})
+    proc = subprocess.run([sys.executable, "-m", "fleetd", "run"], env=env, capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == exits.USAGE
+    assert proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        "fleetd: error: unknown environment variable FLEETD_ALLOWED_HOST: not a fleetd setting "
+        "(did you mean FLEETD_ALLOWED_HOSTS?)"], proc.stderr

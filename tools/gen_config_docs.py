@@ -32,11 +32,34 @@ or `FLEETD_CONFIG`), as an environment variable `FLEETD_<NAME>`, or as a command
 flag of `fleetd init`, `ctl`, `shard`, `run` and `dev`. Lists are comma-separated in
 the environment and on the command line (`FLEETD_ALLOWED_SCHEMES=ws,wss`), TOML arrays
 in a file. A TOML file may use flat keys (`lease_ttl_s = 20`) or group tables
-(`[lease]`). An invalid value prints one line and exits with code 2.
+(`[lease]`). An invalid value prints one line and exits with code 2, and so does an
+environment variable `FLEETD_*` that is not a setting (a typo such as `FLEETD_ALLOWED_HOST`
+must not silently mean "allow every host"). Only these `FLEETD_*` variables are not settings:
 
+{{not_settings}}
 AWS endpoints and credentials are not fleetd settings: the AWS SDK reads them from its
 standard environment (`AWS_REGION`, `AWS_ENDPOINT_URL_DYNAMODB`, the ECS container
 credentials provider, ...).
+"""
+
+
+def _not_settings() -> str:
+    return "\n".join(f"- `{name}`: {what}." for name, what in config.ENV_NOT_SETTINGS.items()) + "\n"
+
+
+SSRF = """\
+## Where upstream sockets may go
+
+An upstream URL is whatever was written to the connections table. Before connecting, fleetd
+resolves the URL's host and connects only to an address that is global, in
+`allowed_networks`, or of a host listed in `allowed_hosts`; loopback, private (RFC 1918,
+fc00::/7), link-local (169.254.0.0/16, fe80::/10), multicast, unspecified and other non-global
+addresses are refused, IPv4-mapped IPv6 (`::ffff:127.0.0.1`) included. The socket is opened to
+the checked address and TLS and the handshake use the URL's name, so DNS cannot rebind the
+name in between. Redirects (3xx) are refused, never followed. Each refusal is a failed connect
+(retried with backoff) counted as `fleetd_upstream_connect_refused_total{reason}` and logged
+with the URL's query and credentials redacted. `fleetd dev`, the tests and the benchmarks run
+a fake upstream on loopback and set `allowed_networks` to `127.0.0.0/8,::1/128`.
 """
 
 
@@ -80,7 +103,7 @@ def _table(rows: Iterable[Setting]) -> list[str]:
 def render() -> str:
     """The whole page, deterministic for a given ``fleetd.config``."""
     everything = list(config.settings())
-    parts = [HEADER]
+    parts = [HEADER.replace("{not_settings}", _not_settings()), SSRF]
     for group, cls in config.GROUPS:
         summary = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
         parts.append(f"## `{group}`\n\n{summary}\n")
