@@ -32,6 +32,9 @@ FAST: dict[str, Any] = {
     "ping_idle_s": 2.0,
     "ping_reply_s": 2.0,
     "aws_timeout_s": 2.0,
+    # not a timing: the fake upstreams of tests and benchmarks listen on loopback, which the SSRF guard
+    # refuses unless allowed (fleetd.validation.address_refusal)
+    "allowed_networks": config.LOOPBACK_NETWORKS,
 }
 
 

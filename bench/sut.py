@@ -17,11 +17,13 @@ from typing import Any
 import orjson
 
 from bench.procs import FleetdProc
+from fleetd.config import LOOPBACK_NETWORKS
 from fleetd.devstack import free_port
 
 # fleetd's defaults are its product timings; only what a benchmark needs differs.
 FLEETD_BENCH_ENV = {
     "FLEETD_ALLOWED_SCHEMES": "ws,wss",
+    "FLEETD_ALLOWED_NETWORKS": ",".join(LOOPBACK_NETWORKS),  # the fake upstream listens on loopback
     "FLEETD_CLOUDWATCH_MODE": "off",
     "FLEETD_LOG_FORMAT": "json",
     "FLEETD_LOG_LEVEL": "WARNING",

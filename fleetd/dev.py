@@ -166,7 +166,9 @@ class DevFleet:
     """The local stack, a fake upstream and ``fleetd run``; :meth:`stop` ends them in reverse order."""
 
     def __init__(self, cfg: Config, workdir: Path, msg_rate: float) -> None:
-        self.cfg = config.replace(cfg, allowed_schemes=("ws", "wss"))
+        # The demo's fake upstream is a ws:// server on loopback, which the SSRF guard refuses unless allowed.
+        networks = tuple(dict.fromkeys((*cfg.upstream.allowed_networks, *config.LOOPBACK_NETWORKS)))
+        self.cfg = config.replace(cfg, allowed_schemes=("ws", "wss"), allowed_networks=networks)
         self.workdir = workdir
         self.msg_rate = msg_rate
         self.stack = DevStack(log_dir=workdir)

@@ -31,6 +31,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 
 from fleetd.stats import LATENCY_BUCKETS, Key, Labels
+from fleetd.validation import REFUSAL_REASONS
 
 log = logging.getLogger("fleetd.metrics")
 
@@ -77,6 +78,10 @@ REQUIRED: tuple[Family, ...] = (
     Family("upstream_reconnects_total", "counter", "Upstream reconnect attempts."),
     Family("upstream_frames_rejected_total", "counter", "Upstream frames rejected, by reason.",
            _sets("reason", "binary", "malformed", "noseq", "oversized")),
+    Family("upstream_connect_refused_total", "counter",
+           "Upstream connects refused by the SSRF guard, by reason: a redirect, or the host resolving only to "
+           "addresses of that kind (not in allowed_networks).",
+           _sets("reason", *REFUSAL_REASONS)),
     Family("seq_gaps_total", "counter", "Jumps in upstream sequence numbers."),
     Family("upstream_seq_anomalies_total", "counter",
            "Implausible upstream seqs (beyond max_seq_jump, or a resume starting over), by kind: jump and reset "

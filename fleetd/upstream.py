@@ -53,18 +53,44 @@ again).  The fresh resume decides, by its first frame that is not a duplicate:
 
 So a jump or a reset is only acted on after the upstream repeated it on a fresh
 resume, and nothing is ever dropped without a count and a log line.
+
+Where a socket may go (SSRF guard)
+----------------------------------
+The URL comes from the connections table, which anyone with write access to it controls.
+picows is told to follow no redirect (``max_redirects=0``): an allow-listed host answering
+3xx is a failed connect, counted as ``upstream_connect_refused_total{reason="redirect"}``.
+And picows does not resolve the host itself: :func:`open_checked_socket` (its
+``socket_factory``) resolves it, checks every address with
+:func:`fleetd.validation.address_refusal` (loopback, private, link-local, multicast,
+unspecified and other non-global addresses are refused unless in ``allowed_networks`` or
+the host is in ``allowed_hosts``) and connects to a checked address itself.  picows then
+speaks TLS and HTTP over that socket with the original name (SNI, certificate check and
+``Host`` header), so no second lookup can rebind the name to another address between check
+and connect.  Refused addresses are counted by reason (``loopback``, ``link_local`` …);
+URLs in log lines are redacted (:func:`fleetd.validation.redact_url`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
-from picows import WSCloseCode, WSFrame, WSListener, WSMsgType, WSProtocolError, WSTransport, ws_connect
+from picows import (
+    WSCloseCode,
+    WSFrame,
+    WSHandshakeError,
+    WSListener,
+    WSMsgType,
+    WSParsedURL,
+    WSProtocolError,
+    WSTransport,
+    ws_connect,
+)
 
 from fleetd.aio import Backoff
 from fleetd.clock import Clock
@@ -72,6 +98,7 @@ from fleetd.config import UpstreamConfig
 from fleetd.logs import RateLimiter
 from fleetd.sink import Cursor, Sink
 from fleetd.stats import Stats
+from fleetd.validation import address_refusal, host_exempt, redact_url
 
 log = logging.getLogger("fleetd.upstream")
 _limiter = RateLimiter(10.0)
@@ -89,6 +116,65 @@ def resume_url(url: str, param: str, from_seq: int) -> str:
     query = [(k, v) for k, v in urllib.parse.parse_qsl(parts.query, keep_blank_values=True) if k != param]
     query.append((param, str(from_seq)))
     return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query)))
+
+
+_REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
+
+
+class UpstreamRefused(ConnectionError):
+    """A connect refused by policy before a byte went out: the host resolves only to addresses not allowed."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason  # a value of fleetd.validation.REFUSAL_REASONS
+
+
+async def open_checked_socket(parsed: WSParsedURL, cfg: UpstreamConfig) -> socket.socket:
+    """A TCP socket connected to an allowed address of ``parsed``'s host (picows's ``socket_factory``).
+
+    The host is resolved here, every address checked (unless the host is in ``allowed_hosts``) and
+    the socket connected to a checked one, trying the next on a connect error as
+    ``loop.create_connection`` does.  Raises :class:`UpstreamRefused` if no address is allowed.
+    """
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(parsed.host, parsed.port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+    exempt = host_exempt(parsed.host, cfg.allowed_hosts)
+    refused: tuple[str, str] | None = None
+    error: OSError | None = None
+    for family, kind, proto, _, address in infos:
+        reason = None if exempt else address_refusal(str(address[0]), cfg.allowed_networks)
+        if reason is not None:
+            refused = refused or (reason, str(address[0]))
+            continue
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            await loop.sock_connect(sock, address)
+        except OSError as e:
+            sock.close()
+            error = e
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+    if error is not None:
+        raise error
+    if refused is None:
+        raise OSError(f"no address for {parsed.host}")
+    reason, where = refused
+    what = where if where == parsed.host else f"{parsed.host} resolves to {where}, which"
+    raise UpstreamRefused(reason, f"{what} is a {reason.replace('_', '-')} address, not in allowed_networks "
+                                  "(and the host is not in allowed_hosts)")
+
+
+def _refusal(e: BaseException) -> str | None:
+    """The ``upstream_connect_refused_total`` reason of a failed connect, or None for another failure."""
+    if isinstance(e, UpstreamRefused):
+        return e.reason
+    if isinstance(e, WSHandshakeError) and e.response is not None and int(e.response.status) in _REDIRECT_STATUSES:
+        return "redirect"
+    return None
 
 
 def _valid_close_code(code: int) -> bool:
@@ -358,6 +444,8 @@ class Connection:
             max_frame_size=self.cfg.max_frame_bytes,
             read_buffer_init_size=self.cfg.read_buffer_bytes,
             logger_name="upstream",
+            max_redirects=0,  # an allow-listed host must not send us elsewhere (module docstring)
+            socket_factory=self._open_socket,
         )
         if self.closing:  # fenced or closed while the handshake was in flight
             self._transport = None
@@ -386,11 +474,25 @@ class Connection:
             return resume_url(self.url, self.cfg.resume_param, self.last_received + 1)
         return resume_url(self.url, self.cfg.resume_param, 0) if self._connected_once else self.url
 
+    def _open_socket(self, parsed: WSParsedURL) -> Awaitable[socket.socket]:
+        return open_checked_socket(parsed, self.cfg)
+
     def _log_failure(self, e: Exception) -> None:
         self.stats.inc("upstream_connect_errors_total", kind=type(e).__name__)
-        if _limiter.allow(self.connection_id):
-            log.warning("upstream connect failed", extra={"connection_id": self.connection_id,
-                                                          "error": f"{type(e).__name__}: {e}"})
+        reason = _refusal(e)
+        if reason is not None:
+            self.stats.inc("upstream_connect_refused_total", reason=reason)
+        if not _limiter.allow(self.connection_id):
+            return
+        extra: dict[str, Any] = {"connection_id": self.connection_id, "url": redact_url(self.url),
+                                 "error": f"{type(e).__name__}: {e}"}
+        if reason is None:
+            log.warning("upstream connect failed", extra=extra)
+            return
+        if reason == "redirect":
+            assert isinstance(e, WSHandshakeError) and e.response is not None
+            extra["location"] = redact_url(e.response.headers.get("Location", ""))
+        log.warning("upstream connect refused", extra={**extra, "reason": reason})
 
     # ----- frames (picows callbacks, hot path) ----------------------------------------------------
 

@@ -27,6 +27,7 @@ def module_tables(stack: DevStack) -> Config:
         messages_table=f"{prefix}-messages",
         hints_queue=f"{prefix}-hints",
         allowed_schemes=("ws", "wss"),
+        allowed_networks=config.LOOPBACK_NETWORKS,  # the fake upstreams listen on loopback
     )
     arun(init_tables(c))
     return c
