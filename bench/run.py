@@ -1,6 +1,7 @@
 """``python -m bench.run --scenario NAME --out DIR [--quick | --smoke]``: fleetd vs the seed design.
 
-Scenarios: ``density``, ``throughput``, ``failover``, ``cost`` or ``all``.  The
+Scenarios: ``density``, ``throughput``, ``failover``, ``cost`` or ``all`` (those four), and
+``cold_start``, run on its own (it starts and kills whole fleets: minutes even at smoke size).  The
 run starts its own local stack (dynalite + moto), fake upstreams and systems under
 test, shows progress on stderr, stops every process it started, and writes
 ``DIR/results.json``, ``DIR/report.md`` and PNG plots.  Results of other scenarios
@@ -23,15 +24,16 @@ from typing import Any
 
 import orjson
 
-from bench import cost, density, failover, report, throughput
+from bench import coldstart, cost, density, failover, report, throughput
 from bench.common import PROFILES, Context, opened
 
-SCENARIOS = ("density", "throughput", "failover", "cost")
+SCENARIOS = ("density", "throughput", "failover", "cost")  # --scenario all
+ALONE = ("cold_start",)  # not part of all
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0] if __doc__ else "")
-    p.add_argument("--scenario", required=True, choices=(*SCENARIOS, "all"))
+    p.add_argument("--scenario", required=True, choices=(*SCENARIOS, *ALONE, "all"))
     p.add_argument("--out", type=Path, required=True, help="directory for results.json, report.md, plots")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="all scenarios in <= 15 minutes")
@@ -66,6 +68,7 @@ def run_scenarios(ctx: Context, names: tuple[str, ...],
         "throughput": lambda: throughput.run(ctx),
         "failover": lambda: {**kept, **failover.run(ctx, systems)},
         "cost": lambda: cost.run(ctx, results.get("density")),
+        "cold_start": lambda: coldstart.run(ctx),
     }
     for name in names:
         t0 = time.monotonic()
