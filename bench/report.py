@@ -19,7 +19,7 @@ def write(out: Path, doc: Doc) -> None:
     sections: list[str] = [header(doc), targets(res)]
     makers: list[tuple[str, Callable[[Path, dict[str, Any]], str]]] = [
         ("density", density_section), ("throughput", throughput_section),
-        ("failover", failover_section), ("cost", cost_section)]
+        ("failover", failover_section), ("cost", cost_section), ("cold_start", cold_start_section)]
     for name, make in makers:
         if name in res:
             sections.append(make(out, res[name]))
@@ -106,6 +106,7 @@ def targets(res: dict[str, Any]) -> str:
     if fo:
         bad = sum(s["missing_seqs"] + s["double_streaming"] for s in fo.values())
         rows.append(["missing seqs + double streaming, all trials", "0", bad, bad == 0])
+    rows += [[f"cold start: {name}", goal, v, met] for name, goal, v, met in cold_start_targets(res.get("cold_start"))]
     c = res.get("cost", {}).get("baseline_over_fleetd", {})
     if c:
         v = c.get("coordination_units")
@@ -317,3 +318,113 @@ def plot_cost(out: Path, res: dict[str, Any]) -> None:
     ax.set_ylabel("request units per connection-hour")
     finish(ax, "DynamoDB request units per connection-hour")
     save(fig, out / "cost.png")
+
+
+# ----- cold start ------------------------------------------------------------------------------------
+
+CASE_TITLES = {"three_tasks": "three tasks started together", "restart": "fleet restarted after SIGKILL of all",
+               "burst": "burst of ctl starts into a running fleet"}
+
+
+def _case_title(case: str) -> str:
+    if case.startswith("one_shard_"):
+        return "one shard"
+    return CASE_TITLES.get(case, case)
+
+
+def _cold_pairs(res: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
+    """(fleetd row, baseline row of the same case or None), in run order."""
+    base = {r["case"]: r for r in res["cases"] if r["system"] == "baseline"}
+    return [(r, base.get(r["case"])) for r in res["cases"] if r["system"] == "fleetd"]
+
+
+def _cold_goal(row: dict[str, Any], res: dict[str, Any]) -> tuple[str, bool | None]:
+    """Issue #18's target for a fleetd row (at the issue's sizes only) and whether it is met."""
+    t = res.get("targets", {})
+    secs = row["ready_to_all_s"]
+    if row["case"].startswith("one_shard_"):
+        goal = t.get("one_shard_s", {}).get(str(row["streams"]))
+        if goal is None:
+            return "–", None
+        return f"≤ {goal:g} s", secs is not None and secs <= goal
+    if row["case"] == "three_tasks" and row["streams"] == 1500:
+        goal, pct = t.get("three_tasks_s", 4.0), t.get("share_pct", 15.0)
+        ok = (secs is not None and secs <= goal and row["share_min_pct"] is not None
+              and -pct <= row["share_min_pct"] and row["share_max_pct"] <= pct and row.get("moved_twice") == 0)
+        return f"≤ {goal:g} s, shares ±{pct:g} %, none moved twice", ok
+    return "–", None
+
+
+def cold_start_targets(res: dict[str, Any] | None) -> list[tuple[str, str, Any, bool | None]]:
+    if not res:
+        return []
+    out: list[tuple[str, str, Any, bool | None]] = []
+    for f, b in _cold_pairs(res):
+        goal, met = _cold_goal(f, res)
+        name = f"{_case_title(f['case'])}, {f['streams']:,} streams, s ready → all connected"
+        if met is not None:
+            out.append((name, goal, f["ready_to_all_s"], met))
+        r = ratio(f["ready_to_all_s"], b["ready_to_all_s"]) if b else None
+        if b is not None:
+            out.append((f"{_case_title(f['case'])}, {f['streams']:,}: fleetd ÷ baseline, ready → all", "≤ 1",
+                        r, r is not None and r <= 1))
+    return out
+
+
+def cold_start_section(out: Path, res: dict[str, Any]) -> str:
+    rows: list[list[Any]] = []
+    for f, b in _cold_pairs(res):
+        goal, met = _cold_goal(f, res)
+        for r in (f, b):
+            if r is None:
+                continue
+            mine = r is f
+            rows.append([_case_title(r["case"]), r["streams"], r["tasks"], r["system"],
+                         r["ready_to_all_s"] if r["connected"] else f"not all ({r['max_connected']:,})",
+                         r["start_to_all_s"], r["start_to_ready_s"],
+                         r["share_min_pct"], r["share_max_pct"], r.get("moved"), r.get("moved_twice"),
+                         r.get("new_sockets_twice"),
+                         ratio(f["ready_to_all_s"], b["ready_to_all_s"]) if mine and b else None,
+                         ratio(f["start_to_all_s"], b["start_to_all_s"]) if mine and b else None,
+                         goal if mine else "", met if mine else None])
+    groups = list(dict.fromkeys(g for r in res["cases"] for g in r.get("cpu_cores", {})))
+    cpu_rows = [[_case_title(r["case"]), r["streams"], r["system"], *(r["cpu_cores"].get(g) for g in groups)]
+                for r in res["cases"] if r.get("cpu_cores")]
+    plot_cold_start(out, res)
+    return ("## Cold start (issue #18)\n\n"
+            f"fleetd on {res['fleetd_timings']}; one shard per task; rebalance every {res['rebalance_s']:g} s. "
+            "*Ready*: fleetd, every started task's `/readyz` answers 200; the baseline, the `ready` line its "
+            "worker prints once its clients and tables are checked, just before its first reconcile (it has no "
+            "other readiness signal). A stream is connected when the fake upstream has a client on it "
+            "(after the restart, a new socket), polled every "
+            f"{res['poll_s']:g} s. For the burst ({res['burst_concurrency']} `ctl start`s in flight from the "
+            "harness: the item written as `ctl start` writes it, then one START hint) the clock starts at the "
+            "first start, and *start → ready* is the fleet's boot before it. Shares: each task's streams at "
+            "the all-connected moment (the connections table's `lease_owner`), smallest and largest relative "
+            f"to the fair share. Moved: streams whose owner changed in the {2 * res['rebalance_s']:g} s "
+            "(two rebalance periods) after all were connected (table scans every few seconds), those moved "
+            "twice or more, and those the fake upstream saw open twice or more in that window. Both systems "
+            "talk to dynalite directly (no metering proxy). Ratios: fleetd ÷ baseline (below 1: fleetd is "
+            "faster).\n\n"
+            + table(["case", "streams", "tasks", "system", "s ready → all", "s start → all", "s start → ready",
+                     "share min %", "share max %", "moved", "moved ≥ 2", "new sockets ≥ 2", "ratio ready → all",
+                     "ratio start → all", "target (fleetd)", "met"], rows)
+            + "\n\nCPU while the streams connected (cores busy from process start, or the first `ctl start`, "
+            "until all were connected; 1.0 = one core):\n\n"
+            + table(["case", "streams", "system", *groups], cpu_rows)
+            + "\n\n![cold start](cold_start.png)")
+
+
+def plot_cold_start(out: Path, res: dict[str, Any]) -> None:
+    pairs = _cold_pairs(res)
+    labels = [f"{_case_title(f['case'])}\n{f['streams']:,}" for f, _ in pairs]
+    fig, ax = plt.subplots(figsize=(10, 5))
+    width = 0.4
+    xs = list(range(len(pairs)))
+    for off, system in enumerate(("fleetd", "baseline")):
+        ys = [((f if system == "fleetd" else b) or {}).get("ready_to_all_s") or 0.0 for f, b in pairs]
+        ax.bar([x + (off - 0.5) * width for x in xs], ys, width, label=system)
+    ax.set_xticks(xs, labels, fontsize=8)
+    ax.set_ylabel("seconds, ready → all connected")
+    finish(ax, "Cold start: time to all connected")
+    save(fig, out / "cold_start.png")
