@@ -538,19 +538,25 @@ class LeaseStore:
                 dying.append(expires + self.skew_ms + 50)  # just past `expired`, on our clock
         return dead, min(dying, default=None)
 
-    async def live_sessions(self, limit: int = 1000) -> list[str]:
+    async def live_sessions(self, limit: int = 1000, min_remaining_ms: int | None = None) -> list[str]:
         """Ids of the sessions ``by_expiry`` lists as live (eventually consistent: as fresh as their last
-        heartbeat, and a session dead since may still show).  Keys only: a few units per thousand."""
-        values = {":k": _s(SESSION_KIND), ":t": _n(self.clock.now_ms() + self.skew_ms)}
+        heartbeat).  ``min_remaining_ms``: only those whose lease runs at least that much longer (a session
+        that missed its last renewals, dying, is left out); default: the skew.  Keys only: a few units."""
+        remaining = self.skew_ms if min_remaining_ms is None else max(self.skew_ms, min_remaining_ms)
+        values = {":k": _s(SESSION_KIND), ":t": _n(self.clock.now_ms() + remaining)}
         return [k["session_id"]["S"] async for k in self._query(
             limit, TableName=self.sessions, IndexName=EXPIRY_INDEX,
             KeyConditionExpression="kind = :k AND expires_at_ms > :t", ExpressionAttributeValues=values)]
 
     async def live_loads(self, sample: int) -> list[SessionLoad]:
-        """The load of up to ``sample`` live sessions, picked at random from ``by_expiry`` (eventually
-        consistent, as fresh as their last heartbeat; a sample keeps the cost flat as the fleet grows)."""
+        """The load of up to ``sample`` live sessions, picked at random from ``by_expiry`` (a sample keeps
+        the cost flat as the fleet grows)."""
         ids = await self.live_sessions()
-        keys = [{"session_id": _s(sid)} for sid in random.sample(ids, min(sample, len(ids), BATCH_GET_MAX))]
+        return await self.loads_of(random.sample(ids, min(sample, len(ids), BATCH_GET_MAX)))
+
+    async def loads_of(self, session_ids: list[str]) -> list[SessionLoad]:
+        """These sessions' loads, as their last heartbeat recorded them (at most BATCH_GET_MAX ids)."""
+        keys = [{"session_id": _s(sid)} for sid in session_ids]
         loads: list[SessionLoad] = []
         for _ in range(3):  # best effort: a rebalance round can do without a throttled session or two
             if not keys:

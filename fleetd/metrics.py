@@ -103,7 +103,7 @@ REQUIRED: tuple[Family, ...] = (
            "Connections the orphan sweep freed: owned by a session that no longer exists."),
     Family("loop_errors_total", "counter",
            "Rounds of a shard loop that failed (counted, logged at most every 10 s; the loop goes on), by loop.",
-           _sets("loop", "heartbeat", "fence", "item_fence", "reconcile", "hints", "desired_state", "checkpoint",
+           _sets("loop", "heartbeat", "reconcile", "hints", "desired_state", "checkpoint",
                  "orphan_sweep", "rebalance", "receive")),
     Family("dynamodb_requests_total", "counter", "DynamoDB requests by operation and outcome.",
            tuple({"op": op, "outcome": "won"} for op in ("UpdateItem", "BatchWriteItem", "Query"))),

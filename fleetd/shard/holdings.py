@@ -149,8 +149,16 @@ class Holdings:
         log.info("connection fenced", extra={"connection_id": cid, "reason": reason})
 
     def fence_all(self, reason: str) -> None:
+        """Every stream, each on its own: one whose fence fails does not keep the others open.  The
+        first failure is raised once all were tried (the fence loop then ends the shard)."""
+        failed: Exception | None = None
         for cid in list(self._held):
-            self.fence(cid, reason)
+            try:
+                self.fence(cid, reason)
+            except Exception as e:
+                failed = failed or e
+        if failed is not None:
+            raise failed
 
     def forget(self, cid: str, h: Held) -> None:
         """A stream released or handed over: drop this record of it (never a newer one)."""

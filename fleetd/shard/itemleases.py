@@ -9,15 +9,12 @@ not push every other item's renewal past its deadline.
 from __future__ import annotations
 
 import asyncio
-import logging
 
-from fleetd.aio import Guard, wait
+from fleetd.aio import wait
 from fleetd.aws import Outcome
 from fleetd.shard.context import Context
 from fleetd.shard.holdings import Held, Holdings
 from fleetd.shard.session import SessionKeeper, fence_deadline
-
-log = logging.getLogger(__name__)
 
 
 class ItemLeases:
@@ -29,7 +26,6 @@ class ItemLeases:
         self.holdings = holdings
         self._renewing: dict[str, asyncio.Task[None]] = {}
         self._sem = asyncio.Semaphore(ctx.cfg.lease.renew_concurrency)
-        self._guard = Guard("item_fence", ctx.count_error, log)
 
     async def run(self) -> None:
         if self.ctx.cfg.lease.lease_mode != "item":
@@ -70,7 +66,7 @@ class ItemLeases:
     async def _fence_loop(self) -> None:
         """Watchdog: fence each item at its deadline, however long its renewal hangs."""
         while not await wait(self.ctx.stopping, self._until_next_check()):
-            await self._guard.run(self._fence_expired, None)
+            await self._fence_expired()  # unguarded, as the session's fence loop: a failed fence ends the shard
 
     async def _fence_expired(self) -> None:
         now = self.ctx.clock.monotonic()

@@ -33,7 +33,8 @@ BOOT_GATHER_S = 0.5
 # The free index is read up to this many times our room: a backlog that large fills every one of up
 # to this many sessions, so each may take its whole room at once.
 LOOKAHEAD = 8
-SESSIONS_FRESH_S = 1.0  # a list of live sessions is reused this long (one read for many takeovers)
+SESSIONS_FRESH_S = 1.0  # the list of sessions sharing a backlog is reused this long (one read for many takeovers)
+SHARE_LOADS_MAX = 10  # up to this many sessions, their loads are read: full and draining ones take no share
 
 
 class Reconciler:
@@ -51,7 +52,8 @@ class Reconciler:
         self._adopting = asyncio.Lock()
         self._guard = Guard("reconcile", ctx.count_error, log)
         self._gather_until = 0.0  # monotonic: no claims of the backlog before (set when the loop starts)
-        self._sessions: tuple[float, list[str]] = (-SESSIONS_FRESH_S, [])  # (read at, live session ids)
+        self._takers: tuple[float, list[str]] = (-SESSIONS_FRESH_S, [])  # (read at, sessions sharing a backlog)
+        self._dead_left = False  # this round's shared takeovers left items for a quick next step
 
     # ----- what others tell us -----------------------------------------------------------------------
 
@@ -118,13 +120,14 @@ class Reconciler:
         gather_s = self._gather_until - self.ctx.clock.monotonic()
         if gather_s > 0 and await wait(self.ctx.stopping, gather_s):
             return False
+        self._dead_left = False
         if self.ctx.cfg.lease.lease_mode == "session":
             await self._take_over_dead()
         suspected = 0 < self._strays_check_at <= self.ctx.clock.monotonic()
         if suspected or rounds % STRAYS_EVERY == STRAYS_EVERY - 1:
             self._strays_check_at = 0.0
             await self.adopt_own_strays()
-        return await self._claim_free()
+        return await self._claim_free() or self._dead_left
 
     # ----- dead sessions -------------------------------------------------------------------------------
 
@@ -155,9 +158,12 @@ class Reconciler:
             return False
         ids = [cid for cid in await leases.items_of(dead) if not self.claimer.skipped(cid)]
         random.shuffle(ids)
+        backlog = len(ids)
         ids = await self._our_part(ids) if shared else ids[: max(0, self.holdings.free_capacity())]
         limit = self.ctx.cfg.lease.claim_concurrency
         outcomes = await bounded(ids, limit, lambda cid: self.claimer.claim(cid, dead_owner=dead))
+        if len(ids) < backlog and Outcome.WON in outcomes and self.holdings.free_capacity() > 0:
+            self._dead_left = True  # our share taken, the rest is anyone's at the next step, soon
         # A claim loses on a STOPPED item, or one a peer took first: free those still the dead's (the
         # index says which, so that the many lost races of a takeover do not each cost a write).
         lost = [cid for cid, o in zip(ids, outcomes, strict=True) if o is Outcome.LOST]
@@ -217,17 +223,27 @@ class Reconciler:
         if len(ids) <= self._step():
             return ids[:room]
         me = self.session.session_id
-        sessions = await self._live_sessions()
-        want = min(room, max(self._step(), fair_share(len(ids), sessions, me)))
-        return mine_first(ids, sessions, me)[:want]
+        takers = await self._sharing()
+        want = min(room, max(self._step(), fair_share(len(ids), takers, me)))
+        return mine_first(ids, takers, me)[:want]
 
-    async def _live_sessions(self) -> list[str]:
-        read_at, sessions = self._sessions
+    async def _sharing(self) -> list[str]:
+        """The sessions that share a backlog with us: renewed within their last two heartbeats (a dying
+        session claims nothing), and, in a fleet small enough to read every load, neither full nor
+        draining.  A stale view only makes a burst smaller or larger: the next steps correct it."""
+        read_at, takers = self._takers
         now = self.ctx.clock.monotonic()
-        if now - read_at >= SESSIONS_FRESH_S:
-            sessions = await self.ctx.leases.live_sessions()
-            self._sessions = (now, sessions)
-        return sessions
+        if now - read_at < SESSIONS_FRESH_S:
+            return takers
+        lease = self.ctx.cfg.lease
+        fresh_ms = int((lease.lease_ttl_s - 2 * lease.heartbeat_s) * 1000)
+        takers = await self.ctx.leases.live_sessions(min_remaining_ms=fresh_ms)
+        if len(takers) <= SHARE_LOADS_MAX:
+            me = self.session.session_id
+            takers = [load.session_id for load in await self.ctx.leases.loads_of(takers)
+                      if load.session_id == me or (not load.draining and load.held < load.capacity)]
+        self._takers = (now, takers)
+        return takers
 
     async def _claim_free(self) -> bool:
         """Claim our share of the free items in one burst (a step, if the backlog is small); True if

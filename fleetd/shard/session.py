@@ -105,7 +105,6 @@ class SessionKeeper:
         self.state = SessionState()
         self.replacing = asyncio.Lock()
         self._heartbeat_guard = Guard("heartbeat", ctx.count_error, log)
-        self._fence_guard = Guard("fence", ctx.count_error, log)
 
     # ----- views ---------------------------------------------------------------------------------------
 
@@ -178,9 +177,11 @@ class SessionKeeper:
             delay = beat if ok else min(1.0, beat / 4)
 
     async def _fence_loop(self) -> None:
-        """Watchdog: fence everything at the session's deadline, however long a renewal call hangs."""
+        """Watchdog: fence everything at the session's deadline, however long a renewal call hangs.
+        Unguarded on purpose: a fence that fails ends the shard process (its sockets die with it)
+        rather than leave a stream open past its deadline."""
         while not await wait(self.ctx.stopping, self._until_next_check()):
-            await self._fence_guard.run(self._enforce_deadline, None)
+            await self._enforce_deadline()
 
     def _until_next_check(self) -> float:
         """At most 0.25 s; while the session is given up (deadline 0) a plain 0.25 s, not a spin."""
@@ -239,8 +240,9 @@ class SessionKeeper:
         """Fence every stream and give the session up, synchronously; its id, or None if already given up."""
         if self.state.abandoned:
             return None
+        old = self.state.abandon()  # first: from here every send is refused, whatever fencing does
         self.hooks.fence_all(reason)
-        return self.state.abandon()
+        return old
 
     async def _reopen(self, old: str) -> None:
         async with self.replacing:

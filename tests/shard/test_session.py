@@ -7,6 +7,7 @@ fence deadline, abandons the session, or replaces it.  The fast profile's first 
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fleetd.aws import Outcome
@@ -247,5 +248,38 @@ def test_check_send_past_the_deadline_gives_the_session_up_at_once(tables: Confi
             assert r.count("self_fence_total") == 1, "counted once per session"
             await r.background()
             assert r.me == "task/0/n2" and r.parts.session.check_send()
+
+    arun(body())
+
+
+def test_a_fence_round_that_fails_does_not_leave_streams_held_past_the_deadline(tables: Config) -> None:
+    """A fence that fails ends the fence loop (and with it the shard process, whose sockets die with it):
+    never a loop that goes on while a stream stays open past its deadline.  The session is given up
+    before the fencing, so every send is refused even then."""
+    async def body() -> None:
+        async with rig(tables, capacity=10) as r:
+            await r.open()
+            await r.put_items("a")
+            assert await r.parts.claimer.claim("a") is Outcome.WON
+            calls = 0
+            real = r.parts.holdings.fence_all
+
+            def failing(reason: str) -> None:  # e.g. a transport whose disconnect raises
+                nonlocal calls
+                calls += 1
+                raise RuntimeError("disconnect failed")
+
+            r.parts.holdings.fence_all = failing  # type: ignore[method-assign]
+            r.clock.advance(6.0)  # past the session's fence deadline (open + 5 s)
+            loop_task = asyncio.ensure_future(r.parts.session._fence_loop())
+            await asyncio.sleep(0.3)
+            alive = not loop_task.done()
+            loop_task.cancel()
+            await asyncio.gather(loop_task, return_exceptions=True)
+            r.parts.holdings.fence_all = real  # type: ignore[method-assign]
+            state = (alive, r.parts.session.state.abandoned, "a" in r.parts.holdings, calls)
+            assert not alive, (f"fence loop alive={alive}, session abandoned={state[1]}, stream still held={state[2]}, "
+                               f"fence attempts in 0.3 s={calls}")
+            assert r.parts.session.state.abandoned and calls == 1
 
     arun(body())
