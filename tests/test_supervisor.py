@@ -32,6 +32,7 @@ from fleetd.burial import announce_dead
 from fleetd.config import Config
 from fleetd.devstack import DevStack, spawn, terminate
 from fleetd.metrics import scrape
+from fleetd.shard.reconcile import BOOT_GATHER_S
 from fleetd.supervisor import reap_orphans, usable_cpus
 from tests import fleet
 from tests.fleet import UpstreamProc, scan_all, seed_items
@@ -291,6 +292,9 @@ def test_a_shard_held_back_by_its_backoff_leaves_its_streams_to_a_peer_at_once(
         wait_for("40 held by the task", lambda: all_held(run, 40), 30)
         peer = fleet.start_shard(cfg, tmp_path, 0, task="peer", FLEETD_RECONCILE_S="30", FLEETD_REBALANCE_S="0")
         wait_for("the peer's session", lambda: any(r.get("event") == "shard started" for r in peer.logs()), 20)
+        # Past the peer's first reconcile round (after its boot gather): a round that ran right after the
+        # first kill would rightly take the dead session's streams before the restarted shard could.
+        time.sleep(BOOT_GATHER_S + 1.0)
         for kill in range(3):
             pid = run.shard_pids()[0]
             session = session_of_pid(cfg, pid)
