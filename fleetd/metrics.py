@@ -99,6 +99,8 @@ REQUIRED: tuple[Family, ...] = (
            "Handed connections freed again: more than the shard had room for."),
     Family("lease_claims_orphaned_total", "counter",
            "Claims won too late to be used (session given up or item lease past its deadline), given back."),
+    Family("dead_session_unclaimable_freed_total", "counter",
+           "Items no claim fits, freed from a dead session so that it can be forgotten."),
     Family("orphans_freed_total", "counter",
            "Connections the orphan sweep freed: owned by a session that no longer exists."),
     Family("loop_errors_total", "counter",

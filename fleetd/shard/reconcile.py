@@ -156,7 +156,9 @@ class Reconciler:
             return True  # a peer already forgot it
         if death.fate is not Fate.DEAD:
             return False
-        ids = [cid for cid in await leases.items_of(dead) if not self.claimer.skipped(cid)]
+        owned = await leases.items_of(dead)
+        ids = [cid for cid in owned if not self.claimer.skipped(cid)]
+        await self._disown_unclaimable(dead, [cid for cid in owned if self.claimer.skipped(cid)])
         random.shuffle(ids)
         backlog = len(ids)
         ids = await self._our_part(ids) if shared else ids[: max(0, self.holdings.free_capacity())]
@@ -175,6 +177,16 @@ class Reconciler:
         if await leases.items_of(dead, limit=1) or not leases.past_grace(death.dead_at_ms):
             return False  # keep looking until no late claim of the dead session can land
         return await leases.delete_dead_session(dead) in (Outcome.WON, Outcome.LOST)  # LOST: a peer did
+
+    async def _disown_unclaimable(self, dead: str, ids: list[str]) -> None:
+        """Items no claim fits, owned by a dead session: made free (owned by nobody, unhinted), so that
+        the session can be forgotten instead of staying listed, and read, by every round of every shard.
+        Free, they cost what any bad free item costs: a failed claim per shard every few minutes."""
+        if not ids:
+            return
+        outcomes = await bounded(ids, self.ctx.cfg.lease.claim_concurrency,
+                                 lambda cid: self.ctx.leases.disown(cid, dead))
+        self.ctx.stats.inc("dead_session_unclaimable_freed_total", float(sum(o is Outcome.WON for o in outcomes)))
 
     # ----- our own items ---------------------------------------------------------------------------------
 

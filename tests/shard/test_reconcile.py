@@ -190,3 +190,21 @@ def test_a_dying_session_arms_a_wake_for_when_it_is_dead_for_everyone(tables: Co
             assert abs(wake.when() - asyncio.get_running_loop().time() - 2.05) < 0.05
 
     arun(body())
+
+
+def test_a_dead_sessions_unclaimable_item_is_freed_so_the_session_can_be_forgotten(tables: Config) -> None:
+    async def body() -> None:
+        async with rig(tables) as r:
+            await r.open()
+            await _dead_session(r, "dead", "good", "bad")
+            await r.update("bad", "SET lease_epoch = :x", x="not a number")
+            assert await r.parts.reconciler.take_over("dead") is False  # the bad one failed its claim
+            assert r.parts.claimer.skipped("bad") and "good" in r.parts.holdings
+            assert await r.parts.reconciler.take_over("dead") is False  # grace: not forgotten yet
+            assert await r.leases.items_of("dead") == [], "the unclaimable item was freed"
+            assert await r.owner("bad") == "" and r.count("dead_session_unclaimable_freed_total") == 1
+            r.clock.advance(62)
+            assert await r.parts.reconciler.take_over("dead") is True, "forgotten once it owns nothing"
+            assert await r.leases.fate("dead") is not None and (await r.leases.fate("dead")).fate is Fate.GONE
+
+    arun(body())
