@@ -390,6 +390,8 @@ def cold_start_section(out: Path, res: dict[str, Any]) -> str:
     groups = list(dict.fromkeys(g for r in res["cases"] for g in r.get("cpu_cores", {})))
     cpu_rows = [[_case_title(r["case"]), r["streams"], r["system"], *(r["cpu_cores"].get(g) for g in groups)]
                 for r in res["cases"] if r.get("cpu_cores")]
+    bursts = [[r["system"], r["streams"], r.get("burst_send_s"), r.get("last_start_to_all_s"), r["ready_to_all_s"]]
+              for r in res["cases"] if r["case"] == "burst"]
     plot_cold_start(out, res)
     return ("## Cold start (issue #18)\n\n"
             f"fleetd on {res['fleetd_timings']}; one shard per task; rebalance every {res['rebalance_s']:g} s. "
@@ -412,6 +414,9 @@ def cold_start_section(out: Path, res: dict[str, Any]) -> str:
             + "\n\nCPU while the streams connected (cores busy from process start, or the first `ctl start`, "
             "until all were connected; 1.0 = one core):\n\n"
             + table(["case", "streams", "system", *groups], cpu_rows)
+            + "\n\nThe burst: how long the harness took to write the items and send their hints (one SQS "
+            "SendMessage per start, as `ctl start` does), and how long after the last start all were connected:\n\n"
+            + table(["system", "starts", "s first → last start", "s last start → all", "s first start → all"], bursts)
             + "\n\n![cold start](cold_start.png)")
 
 
