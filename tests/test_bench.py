@@ -95,3 +95,32 @@ def test_audit_tells_a_stream_handed_back_from_two_streamers() -> None:
     # A and B both writing the same frames: the last writer of each seq alternates, their runs overlap.
     both = [(s, "A" if s % 3 else "B", 1000 + 100 * s) for s in range(1, 31)]
     assert Audit({"c": set(range(1, 31))}, {"c": windows(both)}).overlaps(margin_ms=500) != {}
+
+
+@pytest.fixture(scope="module")
+def cold_smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("bench-cold-smoke")
+    proc = subprocess.run([sys.executable, "-m", "bench.run", "--scenario", "cold_start", "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "scenario cold_start: done" in proc.stderr
+    return out, orjson.loads((out / "results.json").read_bytes())["results"]["cold_start"]
+
+
+def test_cold_start_connects_every_case_for_both_systems(cold_smoke: tuple[Path, dict[str, Any]]) -> None:
+    out, res = cold_smoke
+    cases = {(r["case"], r["system"]): r for r in res["cases"]}
+    for system in ("fleetd", "baseline"):
+        for case in ("one_shard_100", "three_tasks", "restart", "burst"):
+            r = cases[(case, system)]
+            assert r["connected"], r
+            assert r["ready_to_all_s"] is not None, r
+            assert sum(r["shares"].values()) == r["streams"], r  # every stream owned by a task at that moment
+            if case != "one_shard_100":
+                # The watch for moves ran; a stream being handed over at its end may be between owners.
+                assert r["attached_after_watch"] >= 0.9 * r["streams"], r
+                assert r["moved_twice"] >= 0 and r["new_sockets_twice"] >= 0
+        assert cases[("restart", system)]["kill_to_all_s"] >= cases[("restart", system)]["start_to_all_s"]
+    report = (out / "report.md").read_text()
+    assert "## Cold start" in report and "cold start: three tasks started together" in report
+    assert (out / "cold_start.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
