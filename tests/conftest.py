@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import pytest
 
 from fleetd import config
 from fleetd.devstack import DevStack
-from tests.helpers import arun, init_tables
+from tests.helpers import fresh_config
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -43,15 +42,4 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevStack]:
 @pytest.fixture
 def cfg(stack: DevStack) -> config.Config:
     """A config whose tables and queue are unique to this test, created with `init`."""
-    prefix = f"t{uuid.uuid4().hex[:10]}"
-    c = config.replace(
-        config.load(env={}),
-        connections_table=f"{prefix}-connections",
-        sessions_table=f"{prefix}-sessions",
-        messages_table=f"{prefix}-messages",
-        hints_queue=f"{prefix}-hints",
-        allowed_schemes=("ws", "wss"),
-        allowed_networks=config.LOOPBACK_NETWORKS,  # the fake upstreams listen on loopback
-    )
-    arun(init_tables(c))
-    return c
+    return fresh_config("t")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, TypeVar
@@ -10,7 +11,7 @@ from typing import Any, TypeVar
 import pytest
 import uvloop
 
-from fleetd import cli, schema
+from fleetd import cli, config, schema
 from fleetd.aws import Clients, open_clients
 from fleetd.config import Config
 
@@ -27,6 +28,22 @@ def arun(coro: Coroutine[Any, Any, T]) -> T:
 async def clients(cfg: Config) -> AsyncIterator[Clients]:
     async with AsyncExitStack() as stack:
         yield await open_clients(stack, cfg.aws)
+
+
+def fresh_config(letter: str = "t") -> Config:
+    """A config whose tables and queue are unique (``<letter><10 hex>-…``), created with `init`."""
+    prefix = f"{letter}{uuid.uuid4().hex[:10]}"
+    c = config.replace(
+        config.load(env={}),
+        connections_table=f"{prefix}-connections",
+        sessions_table=f"{prefix}-sessions",
+        messages_table=f"{prefix}-messages",
+        hints_queue=f"{prefix}-hints",
+        allowed_schemes=("ws", "wss"),
+        allowed_networks=config.LOOPBACK_NETWORKS,  # the fake upstreams listen on loopback
+    )
+    arun(init_tables(c))
+    return c
 
 
 async def init_tables(cfg: Config) -> list[str]:
