@@ -26,7 +26,10 @@ async def wait(event: asyncio.Event, timeout_s: float) -> bool:
     if event.is_set():
         return True
     try:
-        await asyncio.wait_for(event.wait(), max(0.0, timeout_s))
+        # asyncio.timeout, not wait_for: no task, timer and waiter per call (on 3.11 wait_for creates a
+        # task and, on timeout, cancels and awaits it), and every loop waits this way every tick.
+        async with asyncio.timeout(max(0.0, timeout_s)):
+            await event.wait()
     except TimeoutError:
         return event.is_set()
     return True
