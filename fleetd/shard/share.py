@@ -23,6 +23,8 @@ def mine_first(ids: Sequence[str], sessions: Sequence[str], me: str) -> list[str
     """``ids`` with our partition first (each part keeps its order)."""
     ranked = sorted(set(sessions) | {me})
     n, rank = len(ranked), ranked.index(me)
-    mine = [cid for cid in ids if zlib.crc32(cid.encode()) % n == rank]
-    rest = [cid for cid in ids if zlib.crc32(cid.encode()) % n != rank]
+    mine: list[str] = []
+    rest: list[str] = []
+    for cid in ids:
+        (mine if zlib.crc32(cid.encode()) % n == rank else rest).append(cid)
     return mine + rest
