@@ -5,9 +5,10 @@
 #   docker run --rm -p 9108:9108 -e AWS_REGION=eu-west-1 fleetd          # = fleetd run
 #   docker run --rm fleetd init --check                                   # any sub-command
 #
-# Stage 1 builds fleetd's wheel and the wheels of all its dependencies; stage 2
-# installs them offline into a fresh slim image, so no compiler, pip cache or
-# source tree ends up in the runtime image.
+# Stage 1 builds fleetd's wheel and the wheels of all its dependencies (pinned with hashes in
+# requirements.lock); stage 2 installs them offline into a fresh slim image, so no compiler,
+# pip cache or source tree ends up in the runtime image. The base image is a build argument:
+# pin it by digest in production (--build-arg PYTHON_IMAGE=python:3.11-slim-bookworm@sha256:…).
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
@@ -19,12 +20,15 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_ROOT_USER_ACTION=ignore
 
 WORKDIR /src
-# Only what the wheel is made of (see .dockerignore): metadata first, then the package.
+# The dependencies first, exactly as pinned (with hashes) in requirements.lock: a layer that stays
+# cached until the lock changes. uvloop, picows and orjson ship manylinux wheels for linux/amd64 and
+# linux/arm64, so no compiler is needed; `pip wheel` fails loudly if that ever stops being true.
+COPY requirements.lock ./
+RUN pip wheel --require-hashes --wheel-dir /wheels -r requirements.lock
+# Then what fleetd's own wheel is made of (see .dockerignore); its dependencies are already there.
 COPY pyproject.toml README.md ./
 COPY fleetd ./fleetd
-# uvloop, picows and orjson ship manylinux wheels for linux/amd64 and linux/arm64, so no
-# compiler is needed; `pip wheel` fails loudly if that ever stops being true.
-RUN pip wheel --wheel-dir /wheels .
+RUN pip wheel --no-deps --wheel-dir /wheels .
 
 # ---------------------------------------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime
@@ -62,11 +66,11 @@ EXPOSE 9108
 # (fleetd.supervisor.reap_orphans). An init in front of it would only add a process to signal.
 STOPSIGNAL SIGTERM
 
-# The image has no curl: a Python one-liner asks the supervisor's /healthz. The port is the one of
-# FLEETD_METRICS_ADDR above; change both together. ECS ignores this instruction and uses the task
-# definition's healthCheck (deploy/fleetd.yaml), which runs the same command.
+# The image has no curl: a Python one-liner asks the supervisor's /healthz on the port of
+# FLEETD_METRICS_ADDR (so a container run with another address stays healthy). ECS ignores this
+# instruction and uses the task definition's healthCheck (deploy/fleetd.yaml), which runs the same command.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=20s --retries=3 \
-    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:9108/healthz', timeout=3)"]
+    CMD ["python", "-c", "import os, urllib.request; port = os.environ.get('FLEETD_METRICS_ADDR', ':9108').rpartition(':')[2]; urllib.request.urlopen(f'http://127.0.0.1:{port}/healthz', timeout=3)"]
 
 ENTRYPOINT ["fleetd"]
 CMD ["run"]
