@@ -1,15 +1,29 @@
-"""Publishing the task's ActiveConnections to CloudWatch for ECS target tracking.
+"""Publishing the task's metrics to CloudWatch: ActiveConnections, and counts worth an alarm.
 
-Every task publishes the same metric under the same dimensions (``ClusterName``,
+Every task publishes the same metrics under the same dimensions (``ClusterName``,
 ``ServiceName``; no per-task dimension, which would create a billed metric per task
-incarnation), and Application Auto Scaling targets the Average (NOTES.md).
+incarnation).  ``ActiveConnections`` is a gauge whose Average Application Auto Scaling
+targets (NOTES.md).  The others are counts of what the task's shards counted since the
+previous publication, so their Sum over the service's tasks is the fleet's count per period;
+each is the growth of existing shard counters (:data:`COUNTS`):
+
+* ``LeaseAcquisitionFailures`` — claims not won: ``lease_claims_total`` with result
+  ``lost`` (a peer was first, or the item stopped), ``retryable`` or ``fatal``;
+* ``SelfFences`` — ``self_fence_total``;
+* ``Takeovers`` — streams won by the reconcile loop, ``reconcile_claims_total``: the
+  streams of dead sessions (and of expired item leases), and free streams no hint announced;
+* ``UpstreamReconnects`` — ``upstream_reconnects_total``.
+
+A count is never negative and never counts an event twice: it is the growth of task-wide
+totals that do not decrease across shard restarts (``FleetCollector.task_counters``), measured
+from a mark that only a successful publication moves (a failed one leaves its counts to the next).
 
 Modes (``cloudwatch_mode``):
 
 * ``api`` — PutMetricData through a synchronous botocore client in a daemon thread;
   a failed call is logged and the next interval tries again, never fatal;
 * ``emf`` — one CloudWatch Embedded Metric Format JSON line on stdout, which the
-  awslogs driver ships and CloudWatch turns into the metric (cheaper than the API);
+  awslogs driver ships and CloudWatch turns into the metrics (cheaper than the API);
 * ``off`` — nothing.
 
 The endpoint comes from the SDK's standard settings (``AWS_ENDPOINT_URL_CLOUDWATCH``).
@@ -21,65 +35,113 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, TextIO
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol, TextIO
 
 import orjson
 
 from fleetd.config import AwsConfig, RuntimeConfig
+from fleetd.stats import Key
 
 log = logging.getLogger("fleetd.cloudwatch")
 
 METRIC_NAME = "ActiveConnections"
+# Each count → the shard counters (``fleetd.stats`` keys: name, sorted labels) whose growth it is.
+COUNTS: dict[str, tuple[Key, ...]] = {
+    "LeaseAcquisitionFailures": tuple(("lease_claims_total", (("result", r),)) for r in ("lost", "retryable", "fatal")),
+    "SelfFences": (("self_fence_total", ()),),
+    "Takeovers": (("reconcile_claims_total", ()),),
+    "UpstreamReconnects": (("upstream_reconnects_total", ()),),
+}
+METRIC_NAMES = (METRIC_NAME, *COUNTS)
+
+
+class Source(Protocol):
+    """What a publication reads: the supervisor's ``FleetCollector`` (thread-safe)."""
+
+    def task_active_connections(self) -> float: ...
+
+    def task_counters(self, keys: Iterable[Key]) -> dict[Key, float]: ...
+
+
+def count_totals(source: Source) -> dict[str, float]:
+    """Each count's task-wide total since the task started (never decreasing)."""
+    by_key = source.task_counters(k for keys in COUNTS.values() for k in keys)
+    return {name: sum(by_key.get(k, 0.0) for k in keys) for name, keys in COUNTS.items()}
+
+
+class Counts:
+    """Per-publication counts: how far the totals grew past the mark of the last successful one.
+
+    The mark never goes down, so totals that dropped (they should not) count nothing until
+    they pass it again: no count is ever negative, and no event is counted twice."""
+
+    def __init__(self) -> None:
+        self._mark = dict.fromkeys(COUNTS, 0.0)
+
+    def since(self, totals: Mapping[str, float]) -> dict[str, float]:
+        return {name: max(0.0, totals[name] - self._mark[name]) for name in COUNTS}
+
+    def commit(self, totals: Mapping[str, float]) -> None:
+        for name in COUNTS:
+            self._mark[name] = max(self._mark[name], totals[name])
 
 
 def dimensions(rt: RuntimeConfig) -> list[dict[str, str]]:
     return [{"Name": "ClusterName", "Value": rt.cluster_name}, {"Name": "ServiceName", "Value": rt.service_name}]
 
 
-def put_metric_data_request(rt: RuntimeConfig, value: float) -> dict[str, Any]:
+def _values(active: float, counts: Mapping[str, float] | None) -> dict[str, float]:
+    """ActiveConnections first, then every count (0 when not given: an alarm sees data, not a gap)."""
+    return {METRIC_NAME: float(active), **{name: float((counts or {}).get(name, 0.0)) for name in COUNTS}}
+
+
+def put_metric_data_request(rt: RuntimeConfig, active: float,
+                            counts: Mapping[str, float] | None = None) -> dict[str, Any]:
     """The PutMetricData parameters of one publication."""
+    dims = dimensions(rt)
     return {
         "Namespace": rt.cloudwatch_namespace,
-        "MetricData": [{"MetricName": METRIC_NAME, "Dimensions": dimensions(rt), "Value": float(value),
-                        "Unit": "Count"}],
+        "MetricData": [{"MetricName": name, "Dimensions": dims, "Value": value, "Unit": "Count"}
+                       for name, value in _values(active, counts).items()],
     }
 
 
-def emf_line(rt: RuntimeConfig, value: float, now_ms: int | None = None) -> str:
+def emf_line(rt: RuntimeConfig, active: float, counts: Mapping[str, float] | None = None,
+             now_ms: int | None = None) -> str:
     """One Embedded Metric Format record (a JSON object on one line)."""
+    values = _values(active, counts)
     record = {
         "_aws": {
             "Timestamp": int(time.time() * 1000) if now_ms is None else now_ms,
             "CloudWatchMetrics": [{
                 "Namespace": rt.cloudwatch_namespace,
                 "Dimensions": [["ClusterName", "ServiceName"]],
-                "Metrics": [{"Name": METRIC_NAME, "Unit": "Count"}],
+                "Metrics": [{"Name": name, "Unit": "Count"} for name in values],
             }],
         },
         "ClusterName": rt.cluster_name,
         "ServiceName": rt.service_name,
-        METRIC_NAME: float(value),
+        **values,
     }
     return orjson.dumps(record).decode()
 
 
 class Publisher:
-    """Publishes ``value()`` every ``cloudwatch_s`` from a daemon thread until :meth:`stop`.
+    """Publishes the source's metrics every ``cloudwatch_s`` from a daemon thread until :meth:`stop`.
 
-    ``value`` must be thread-safe (the supervisor passes
-    ``FleetCollector.task_active_connections``).  The constructor is pure: the thread
-    and, in ``api`` mode, the client are created by :meth:`start`.
+    The constructor is pure: the thread and, in ``api`` mode, the client are created by
+    :meth:`start`.
     """
 
-    def __init__(self, rt: RuntimeConfig, aws: AwsConfig, value: Callable[[], float],
-                 out: TextIO | None = None) -> None:
+    def __init__(self, rt: RuntimeConfig, aws: AwsConfig, source: Source, out: TextIO | None = None) -> None:
         self.rt = rt
         self.aws = aws
-        self.value = value
+        self.source = source
         self.out = out  # None: sys.stdout at publication time
         self.published = 0
         self.errors = 0
+        self._counts = Counts()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._client: Any = None
@@ -103,18 +165,21 @@ class Publisher:
     def publish_once(self) -> bool:
         """One publication; errors are logged and counted, never raised."""
         try:
-            value = self.value()
+            active = self.source.task_active_connections()
+            totals = count_totals(self.source)
+            counts = self._counts.since(totals)
             if self.rt.cloudwatch_mode == "emf":
                 out = self.out or sys.stdout
-                out.write(emf_line(self.rt, value) + "\n")
+                out.write(emf_line(self.rt, active, counts) + "\n")
                 out.flush()
             elif self.rt.cloudwatch_mode == "api":
-                self._api_client().put_metric_data(**put_metric_data_request(self.rt, value))
+                self._api_client().put_metric_data(**put_metric_data_request(self.rt, active, counts))
         except Exception as e:
             self.errors += 1
             log.warning("CloudWatch publication failed", extra={"error": f"{type(e).__name__}: {e}",
                                                                   "mode": self.rt.cloudwatch_mode})
             return False
+        self._counts.commit(totals)
         self.published += 1
         return True
 

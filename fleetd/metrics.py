@@ -225,6 +225,20 @@ class FleetCollector:
         with self._lock:
             return sum(rec.gauges().get(("active_connections", ()), 0.0) for rec in self.records)
 
+    def task_counters(self, keys: Iterable[Key]) -> dict[Key, float]:
+        """Task-wide totals of these counters over every incarnation of every shard index.
+
+        They never decrease: a dead incarnation's final counts are the base its successor's
+        are added to, so a restart neither loses what was counted nor counts it again."""
+        wanted = set(keys)
+        out = dict.fromkeys(wanted, 0.0)
+        with self._lock:
+            for rec in self.records:
+                for key, value in rec.counters().items():
+                    if key in wanted:
+                        out[key] += value
+        return out
+
     def ready(self) -> bool:
         """Every shard is alive, reported recently, its session is live, and its sink writes everything.
 

@@ -274,7 +274,7 @@ class Supervisor:
         self.slots = [ShardSlot(i) for i in range(self.count)]
         self.collector = FleetCollector(self.count)
         self.server = MetricsServer(cfg.runtime.metrics_addr, self.collector)
-        self.publisher = Publisher(cfg.runtime, cfg.aws, self.collector.task_active_connections)
+        self.publisher = Publisher(cfg.runtime, cfg.aws, self.collector)
         self.inbox = SignalInbox()
         self.undertaker = Undertaker(cfg, self.inbox.wake)
         self.stopping = False
