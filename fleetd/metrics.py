@@ -13,7 +13,10 @@ families on every scrape.  That gives three properties multiprocess mode cannot:
 
 Every stats name gets the ``fleetd_`` prefix and a ``shard`` label.  The HTTP server
 is a ``ThreadingHTTPServer`` in a daemon thread, so the supervisor's own loop stays a
-plain ``multiprocessing.connection.wait`` loop.
+plain ``multiprocessing.connection.wait`` loop.  A client costs a thread, so slow or idle
+clients must not be able to hold many: a socket silent for ``CLIENT_IDLE_TIMEOUT_S`` is
+closed, and past ``max_clients`` open at once a new one is closed at accept (and counted),
+so a scrape waits behind nobody and the task's thread limit is never the endpoint's to spend.
 """
 
 from __future__ import annotations
@@ -367,8 +370,14 @@ def exposition(collector: FleetCollector) -> bytes:
 # ----- HTTP ---------------------------------------------------------------------------------------------
 
 
+CLIENT_IDLE_TIMEOUT_S = 5.0  # a scrape sends its request at once; Prometheus's own timeout is 10 s
+MAX_CLIENTS = 64  # scrapers and health checks of one task: a handful
+
+
 def _handler(collector: FleetCollector) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        timeout = CLIENT_IDLE_TIMEOUT_S  # socket timeout: a silent or half-sent request ends the thread
+
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
@@ -394,16 +403,59 @@ def _handler(collector: FleetCollector) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+class _CappedServer(ThreadingHTTPServer):
+    """At most ``max_clients`` connections served at once; one more is closed at accept."""
+
+    daemon_threads = True
+
+    def __init__(self, addr: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_clients: int) -> None:
+        super().__init__(addr, handler)
+        self.max_clients = max_clients
+        self.clients = 0
+        self.refused = 0
+        self._lock = threading.Lock()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._lock:
+            full = self.clients >= self.max_clients
+            if full:
+                self.refused += 1
+            else:
+                self.clients += 1
+        if full:
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._lock:
+                self.clients -= 1
+
+
 class MetricsServer:
     """``/metrics``, ``/healthz``, ``/readyz`` on ``host:port`` (port 0 picks one: see :attr:`url`)."""
 
-    def __init__(self, addr: str, collector: FleetCollector) -> None:
+    def __init__(self, addr: str, collector: FleetCollector, max_clients: int = MAX_CLIENTS) -> None:
         host, _, port = addr.rpartition(":")
         self.host = host.strip("[]")
         self.port = int(port)
         self.collector = collector
-        self._server: ThreadingHTTPServer | None = None
+        self.max_clients = max_clients
+        self._server: _CappedServer | None = None
         self._thread: threading.Thread | None = None
+
+    @property
+    def clients(self) -> int:
+        """Connections being served now."""
+        return self._server.clients if self._server is not None else 0
+
+    @property
+    def refused(self) -> int:
+        """Connections closed at accept because ``max_clients`` were being served."""
+        return self._server.refused if self._server is not None else 0
 
     @property
     def url(self) -> str:
@@ -411,8 +463,7 @@ class MetricsServer:
 
     def start(self) -> None:
         """Bind (OSError if the address is taken) and serve in a daemon thread."""
-        server = ThreadingHTTPServer((self.host, self.port), _handler(self.collector))
-        server.daemon_threads = True
+        server = _CappedServer((self.host, self.port), _handler(self.collector), self.max_clients)
         self._server = server
         self.port = int(server.server_address[1])
         self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1},

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import socket
+import time
 import urllib.error
 import urllib.request
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleetd.metrics import READY_MAX_AGE_S, REQUIRED, FleetCollector, MetricsServer, exposition
+from fleetd.metrics import (
+    CLIENT_IDLE_TIMEOUT_S,
+    READY_MAX_AGE_S,
+    REQUIRED,
+    FleetCollector,
+    MetricsServer,
+    exposition,
+)
 from fleetd.stats import LATENCY_BUCKETS, Stats
 
 
@@ -189,3 +198,54 @@ def test_http_endpoints_on_an_ephemeral_port() -> None:
         assert get(server.url + "/nope")[0] == 404
     finally:
         server.stop()
+
+
+def test_idle_and_slow_clients_neither_block_a_scrape_nor_hold_a_thread_for_long() -> None:
+    """100 sockets that send nothing and 20 that send half a request: a scrape still answers at once,
+    and the server lets go of each silent socket after its idle timeout."""
+    server = MetricsServer("127.0.0.1:0", two_shards())
+    server.start()
+    idle: list[socket.socket] = []
+    try:
+        idle = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(100)]
+        for s in idle[:20]:
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: slow\r\n")  # never ends its headers
+        started = time.monotonic()
+        status, body = get(server.url + "/metrics")
+        assert status == 200 and "fleetd_task_active_connections" in body
+        assert time.monotonic() - started < 5, "a scrape waited behind idle clients"
+        for s in idle:
+            s.settimeout(CLIENT_IDLE_TIMEOUT_S + 10)
+            assert s.recv(1) == b"", "the server must close a silent client's socket"
+    finally:
+        for s in idle:
+            s.close()
+        server.stop()
+
+
+def test_clients_past_the_cap_are_refused_and_counted() -> None:
+    server = MetricsServer("127.0.0.1:0", two_shards(), max_clients=5)
+    server.start()
+    held: list[socket.socket] = []
+    try:
+        held = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(5)]
+        wait_until(lambda: server.clients == 5)
+        extra = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        assert extra.recv(1) == b"", "a client past the cap is closed at once"
+        extra.close()
+        assert server.refused >= 1
+        for s in held:
+            s.close()
+        wait_until(lambda: server.clients == 0)
+        assert get(server.url + "/healthz")[0] == 200
+    finally:
+        for s in held:
+            s.close()
+        server.stop()
+
+
+def wait_until(predicate: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
