@@ -25,8 +25,10 @@ fake upstream's per-stream socket count and the ``lease_epoch`` writes are kept 
 process group over the connect window (:class:`bench.meter.CpuWatch`) says what bounded it.
 
 Both systems talk to dynalite directly, not through the metering proxy (one Python thread would
-queue a claim burst), as in the failover scenario.  fleetd runs its product defaults except under
-``--smoke``, which uses the fast profile and a short rebalance period so the CI run stays short.
+queue a claim burst), as in the failover scenario, unless the run meters keys (``--meter-keys``, implied
+by ``--throttle-keys``): then the systems and the burst's ``ctl start`` writes go through it, and
+each case reports the hottest key's busiest second over its connect window.  fleetd runs its product
+defaults except under ``--smoke``, which uses the fast profile and a short rebalance period so the CI run stays short.
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ def settle_s(ctx: Context) -> float:
 
 def start_task(ctx: Context, kind: str, task_id: str, tables: Tables, capacity: int | None = None) -> Task:
     """A fleetd task of one shard (``capacity`` per shard, default the product's) or a baseline worker."""
-    env = ctx.sut_env(metered=False)
+    env = ctx.sut_env(metered=ctx.meter_keys)
     if kind == "fleetd":
         settings: dict[str, str] = {}
         if ctx.profile.fast_timings:
@@ -280,6 +282,8 @@ def measure(ctx: Context, case: str, kind: str, tables: Tables, pool: UpstreamPo
         "unowned_at_all_connected": sum(1 for c in ids if not at.owner.get(c)),
         "cpu_cores": line.cores,
     }
+    if ctx.meter_keys:
+        row["hot_keys"] = ctx.hot_keys(line.started, line.connected or time.monotonic(), tables)
     if watch and line.connected is not None:
         window = 2 * rebalance_s(ctx)
         ctx.progress(f"cold_start {case} {kind}: connected; watching {window:g} s for moves")
@@ -318,6 +322,8 @@ def one_shard(ctx: Context, kind: str, n: int) -> dict[str, Any]:
     tables = ctx.fresh_tables()
     pool = upstreams(ctx, n)
     ids = seed(tables, pool, n)
+    if ctx.meter_keys:
+        ctx.prime_meter(tables)
     t0, tasks = start_tasks(ctx, kind, f"s{n}-", tables, 1, capacity=n)
     try:
         line = watch_connect(ctx, pool, dict.fromkeys(ids, 0), tasks, t0, 30 + n / 40,
@@ -333,6 +339,8 @@ def three_tasks_and_restart(ctx: Context, kind: str, n: int) -> list[dict[str, A
     tables = ctx.fresh_tables()
     pool = upstreams(ctx, n)
     ids = seed(tables, pool, n)
+    if ctx.meter_keys:
+        ctx.prime_meter(tables)
     t0, old = start_tasks(ctx, kind, "t", tables, TASKS)
     tasks: list[Task] = []
     try:
@@ -372,7 +380,7 @@ def burst(ctx: Context, kind: str, n: int) -> dict[str, Any]:
         time.sleep(settle_s(ctx))
         ids = [f"n{i:05d}" for i in range(n)]
         urls = pool.urls(ids)
-        sender = Burst(tables, urls)
+        sender = Burst(tables, urls, ctx.meter_thread.url if ctx.meter_keys and ctx.meter_thread else None)
         sender.start()
         line = watch_connect(ctx, pool, dict.fromkeys(ids, 0), tasks, time.monotonic(), 60 + n / 20,
                              f"cold_start burst {kind}")
@@ -396,10 +404,11 @@ class Burst(threading.Thread):
     (:func:`fleetd.hints.start_body`), as ``ctl start`` writes them, ``BURST_CONCURRENCY`` at a time.
     Unlike a real ``ctl start`` the queue URL is looked up once, not once per start."""
 
-    def __init__(self, tables: Tables, urls: dict[str, str]) -> None:
+    def __init__(self, tables: Tables, urls: dict[str, str], dynamodb_url: str | None = None) -> None:
         super().__init__(name="ctl-start-burst", daemon=True)
         self.tables = tables
         self.urls = urls
+        self.dynamodb_url = dynamodb_url  # the metering proxy, when keys are metered
         self.first: float | None = None
         self.last: float | None = None
         self.error: BaseException | None = None
@@ -416,7 +425,8 @@ class Burst(threading.Thread):
         session = get_session()
         async with AsyncExitStack() as stack:
             ddb = await stack.enter_async_context(
-                session.create_client("dynamodb", region_name=region_of(aws), config=client_config(aws)))
+                session.create_client("dynamodb", region_name=region_of(aws), config=client_config(aws),
+                                      endpoint_url=self.dynamodb_url))
             sqs = await stack.enter_async_context(
                 session.create_client("sqs", region_name=region_of(aws), config=client_config(aws)))
             queue_url = (await sqs.get_queue_url(QueueName=aws.hints_queue))["QueueUrl"]
@@ -447,5 +457,6 @@ def run(ctx: Context) -> dict[str, Any]:
     return {"cases": rows, "rebalance_s": rebalance_s(ctx), "poll_s": POLL_S, "tasks": TASKS,
             "burst_concurrency": BURST_CONCURRENCY,
             "fleetd_timings": "fast profile" if ctx.profile.fast_timings else "product defaults",
+            "metered": ctx.meter_keys, "throttle_keys": ctx.throttle_keys,
             "targets": {"one_shard_s": {str(k): v for k, v in TARGET_ONE_SHARD_S.items()},
                         "three_tasks_s": TARGET_THREE_TASKS_S, "share_pct": TARGET_SHARE_PCT}}

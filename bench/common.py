@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.faults.proxy import ProxyThread
-from bench.meter import MeteringProxy, Usage, diff, index_keys, start_metering
-from bench.procs import UpstreamProc, ddb, seed_items
+from bench.meter import MeteringProxy, Peak, Usage, diff, key_schemas, start_metering
+from bench.procs import UpstreamProc, ddb, scan_all, seed_items
 from bench.profile import fast, fast_env
 from bench.sut import System, Tables
 from fleetd.config import Config
@@ -88,6 +88,8 @@ class Context:
     meter: MeteringProxy | None = None
     children: list[System | UpstreamProc] = field(default_factory=list)
     upstream_count: int = 0
+    meter_keys: bool = False  # failover and cold_start: systems through the metering proxy, hot keys measured
+    throttle_keys: bool = False  # the metering proxy throttles keys past DynamoDB's per-key limits
 
     # ----- lifecycle ---------------------------------------------------------------------------------
 
@@ -124,8 +126,9 @@ class Context:
         subprocess.run([sys.executable, "-m", "fleetd", "init"], env=env, check=True, capture_output=True)
         if self.meter_thread is not None:
             self.meter_thread.stop()
-        keys = index_keys(ddb(), [tables.connections, tables.sessions, tables.messages])
-        self.meter_thread, self.meter = start_metering(os.environ["AWS_ENDPOINT_URL_DYNAMODB"], keys)
+        keys = key_schemas(ddb(), [tables.connections, tables.sessions, tables.messages])
+        self.meter_thread, self.meter = start_metering(os.environ["AWS_ENDPOINT_URL_DYNAMODB"], keys,
+                                                       throttle=self.throttle_keys)
         return tables
 
     def sut_env(self, metered: bool = True) -> dict[str, str]:
@@ -141,6 +144,22 @@ class Context:
     def usage(self) -> dict[tuple[str, str], Usage]:
         assert self.meter is not None
         return self.meter.tally.snapshot()
+
+    def prime_meter(self, tables: Tables) -> None:
+        """Show the metering proxy the connection items seeded behind its back (their index keys)."""
+        if self.meter is not None:
+            self.meter.prime(tables.connections, scan_all(tables.connections, ConsistentRead=True))
+
+    def hot_keys(self, since: float, until: float, tables: Tables) -> dict[str, Any]:
+        """The hottest key's busiest second, for writes and for reads, in ``[since, until]`` (monotonic),
+        and the requests throttled then (``--throttle-keys``)."""
+        assert self.meter is not None
+        hot = self.meter.hot
+        refused = hot.refused(since, until)
+        return {"writes": _peak(hot.peak("write", since, until), tables),
+                "reads": _peak(hot.peak("read", since, until), tables),
+                "throttled": sum(refused.values()),
+                "throttled_keys": {short_key(k, tables): n for k, n in refused.most_common(3)}}
 
     def upstreams(self, count: int, rate: float, size: int = 200) -> UpstreamPool:
         self.upstream_count += count
@@ -225,13 +244,26 @@ def usage_by_op(window: dict[tuple[str, str], Usage], tables: Tables) -> dict[st
     return out
 
 
+def short_key(key: str, tables: Tables) -> str:
+    """A hot key's label with the run's table name shortened to its kind (``connections/by_owner:…``)."""
+    for name, kind in ((tables.connections, "connections"), (tables.sessions, "sessions"),
+                       (tables.messages, "messages")):
+        if key.startswith(name):
+            return kind + key[len(name):]
+    return key
+
+
+def _peak(peak: Peak | None, tables: Tables) -> dict[str, Any] | None:
+    return None if peak is None else {"units_per_s": round(peak.units_per_s, 1), "key": short_key(peak.key, tables)}
+
+
 def window_usage(ctx: Context, before: dict[tuple[str, str], Usage]) -> dict[tuple[str, str], Usage]:
     return diff(ctx.usage(), before)
 
 
 @contextlib.contextmanager
-def opened(out: Path, profile: Profile) -> Iterator[Context]:
-    ctx = Context(out, profile).open()
+def opened(out: Path, profile: Profile, meter_keys: bool = False, throttle_keys: bool = False) -> Iterator[Context]:
+    ctx = Context(out, profile, meter_keys=meter_keys or throttle_keys, throttle_keys=throttle_keys).open()
     try:
         yield ctx
     finally:

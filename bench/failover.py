@@ -11,6 +11,10 @@ affected streams are audited over the trial's seqs (:mod:`bench.audit`): missing
 seqs, redelivered frames, and overlapping writers (double streaming).  At the end
 the whole messages table is audited once more, with every stream's
 ``max_concurrent`` (never two sockets on one stream at once).
+
+The systems talk to dynalite directly unless the run meters keys (``--meter-keys``, implied by
+``--throttle-keys``): then through the metering proxy, and each trial reports the hottest key's busiest
+second from the event until the last stream recovered (:meth:`bench.common.Context.hot_keys`).
 """
 
 from __future__ import annotations
@@ -83,6 +87,7 @@ def run_system(ctx: Context, kind: str) -> dict[str, Any]:
         for p in fleet.pool.procs:
             ctx.stop(p)
     return {"trials": trials, "final_audit": final, "summary": summarize(trials, EVENTS[kind]),
+            "metered": ctx.meter_keys, "throttle_keys": ctx.throttle_keys,
             "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": made_by}
 
 
@@ -101,6 +106,8 @@ def start_fleet(ctx: Context, kind: str) -> Fleet:
     n = ctx.profile.failover_connections
     pool = ctx.upstreams(2, ctx.profile.failover_rate, size=120)
     ids = seed(tables, pool, n)
+    if ctx.meter_keys:
+        ctx.prime_meter(tables)
     fleet = Fleet(kind, tables, pool, ids, {})
     for t in range(TASKS):
         task = f"task{t}"
@@ -116,12 +123,12 @@ def start_task(ctx: Context, fleet: Fleet, task: str) -> System:
     n = ctx.profile.failover_connections
     if fleet.kind == "fleetd":
         timings = FAST_FLEETD if ctx.profile.fast_timings else {}
-        system, _ = fleetd_task(task, 1, fleet.tables, ctx.logs, ctx.sut_env(metered=False),
+        system, _ = fleetd_task(task, 1, fleet.tables, ctx.logs, ctx.sut_env(metered=ctx.meter_keys),
                                 FLEETD_MAX_CONNECTIONS_PER_SHARD=str(n), FLEETD_REBALANCE_S=REBALANCE_S,
                                 **timings)
     else:
         extra = FAST_BASELINE if ctx.profile.fast_timings else ()
-        system, _ = baseline_worker(task, fleet.tables, ctx.logs, ctx.sut_env(metered=False), *extra)
+        system, _ = baseline_worker(task, fleet.tables, ctx.logs, ctx.sut_env(metered=ctx.meter_keys), *extra)
     return ctx.started(system)
 
 
@@ -137,6 +144,7 @@ def run_trial(ctx: Context, fleet: Fleet, event: str) -> dict[str, Any]:
     fire(fleet, victim, event)
     recovered = wait_recovered(fleet.pool, before, RECOVERY_TIMEOUT_S[event], watch.poll)
     times = sorted(t - t0 for t in recovered.values())
+    hot = ctx.hot_keys(t0, time.monotonic(), fleet.tables) if ctx.meter_keys else None
     restart(ctx, fleet, victim, event)
     settle(ctx, fleet)
     verdict = check(audit_range(fleet.tables, floor), fleet.pool.streams(), margin_ms=2000)
@@ -146,6 +154,7 @@ def run_trial(ctx: Context, fleet: Fleet, event: str) -> dict[str, Any]:
         "recovery_max_s": round(times[-1], 3) if times else None,
         "missing_seqs": verdict.missing_seqs, "double_streaming": len(verdict.overlaps),
         "recovery_times_s": [round(t, 3) for t in times], "cpu_cores": watch.cores(),
+        **({"hot_keys": hot} if hot is not None else {}),
     }
 
 
@@ -271,7 +280,19 @@ def summarize(trials: list[dict[str, Any]], events: tuple[str, ...]) -> dict[str
             "double_streaming": sum(t["double_streaming"] for t in rows),
             "cpu_cores": _mean_cores([t["cpu_cores"] for t in rows if "cpu_cores" in t]),
         }
+        hot = [t["hot_keys"] for t in rows if "hot_keys" in t]
+        if hot:
+            out[event]["hot_keys"] = hottest(hot)
     return out
+
+
+def hottest(windows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Over several windows' :meth:`~bench.common.Context.hot_keys`: the busiest second of writes and of
+    reads, and every throttled request."""
+    def top(kind: str) -> dict[str, Any] | None:
+        return max((w[kind] for w in windows if w[kind]), key=lambda p: float(p["units_per_s"]), default=None)
+
+    return {"writes": top("writes"), "reads": top("reads"), "throttled": sum(w["throttled"] for w in windows)}
 
 
 def _mean_cores(per_trial: list[dict[str, float]]) -> dict[str, float]:

@@ -255,6 +255,7 @@ def failover_section(out: Path, res: dict[str, Any]) -> str:
             + "\n\nWhole messages table audited at the end (`bench.audit`):\n\n"
             + table(["system", "missing seqs", "double streaming", "redelivered frames", "items"], finals)
             + cpu_profile(res)
+            + failover_hot_keys(res)
             + "\n\n![failover](failover.png)")
 
 
@@ -270,6 +271,33 @@ def cpu_profile(res: dict[str, Any]) -> str:
     return ("\n\nWhere the CPU went while the affected streams recovered: cores busy, from the event until "
             "the last stream had a socket again, mean over the trials (psutil; 1.0 = one core; the "
             "machine's cores are in the header):\n\n" + table(["system", "event", *groups, "total"], rows))
+
+
+def hot_key(peak: dict[str, Any] | None) -> str:
+    """``units/s (key)`` of a busiest second, ``–`` if the window had none."""
+    return "–" if not peak else f"{fmt(peak['units_per_s'])} ({peak['key']})"
+
+
+HOT_KEYS_NOTE = ("Per key value (a base table's partition key value, or a GSI's hash key value) and second, at "
+                 "the metering proxy (`bench/meter.py`): a write that moves an item in a GSI charges the old and "
+                 "the new index key value one unit each; a failed conditional write one unit to its key. "
+                 "DynamoDB's limits per key value are 1,000 write and 3,000 read units/s.")
+
+
+def failover_hot_keys(res: dict[str, Any]) -> str:
+    """The hottest key's busiest second per event, when the run metered keys (``--meter-keys``)."""
+    rows = [[system, event, hot_key(s["hot_keys"]["writes"]), hot_key(s["hot_keys"]["reads"]),
+             s["hot_keys"]["throttled"] if res[system].get("throttle_keys") else "off"]
+            for system in ("fleetd", "baseline") for event, s in res.get(system, {}).get("summary", {}).items()
+            if "hot_keys" in s]
+    if not rows:
+        return ("\n\nHot keys: not measured in this run (`--meter-keys` puts the metering proxy in front of the "
+                "systems, a Python hop on every request, so the recovery times above are measured without it).")
+    return ("\n\nHottest key from the event until the last affected stream recovered, its busiest second over "
+            "the trials (the systems talked to DynamoDB through the metering proxy in this run). "
+            + HOT_KEYS_NOTE + "\n\n"
+            + table(["system", "event", "hottest key peak writes/s (key)", "hottest key peak reads/s (key)",
+                     "throttled requests"], rows))
 
 
 def plot_failover(out: Path, res: dict[str, Any]) -> None:
@@ -417,7 +445,21 @@ def cold_start_section(out: Path, res: dict[str, Any]) -> str:
             + "\n\nThe burst: how long the harness took to write the items and send their hints (one SQS "
             "SendMessage per start, as `ctl start` does), and how long after the last start all were connected:\n\n"
             + table(["system", "starts", "s first → last start", "s last start → all", "s first start → all"], bursts)
+            + cold_start_hot_keys(res)
             + "\n\n![cold start](cold_start.png)")
+
+
+def cold_start_hot_keys(res: dict[str, Any]) -> str:
+    """The hottest key's busiest second per case, when the run metered keys (``--meter-keys``)."""
+    rows = [[_case_title(r["case"]), r["streams"], r["system"], hot_key(r["hot_keys"]["writes"]),
+             hot_key(r["hot_keys"]["reads"]), r["hot_keys"]["throttled"] if res.get("throttle_keys") else "off"]
+            for r in res["cases"] if "hot_keys" in r]
+    if not rows:
+        return ""
+    return ("\n\nHottest key over each connect window, its busiest second (this run went through the metering "
+            "proxy). " + HOT_KEYS_NOTE + "\n\n"
+            + table(["case", "streams", "system", "hottest key peak writes/s (key)",
+                     "hottest key peak reads/s (key)", "throttled requests"], rows))
 
 
 def plot_cold_start(out: Path, res: dict[str, Any]) -> None:

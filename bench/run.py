@@ -8,6 +8,9 @@ test, shows progress on stderr, stops every process it started, and writes
 already in ``DIR`` (same profile) are kept, so scenarios can be run one at a time.  ``--smoke`` is the CI
 size (≤ 3 minutes for ``all``, short leases); ``--quick`` ≤ 15 minutes; neither
 flag: the full run whose results are committed under ``bench/results/<date>/``.
+``--meter-keys`` puts the metering proxy in front of the systems in ``failover`` and ``cold_start`` too
+(they talk to dynalite directly otherwise) and reports the hottest key per event; ``--throttle-keys``
+(implies it) has the proxy throttle keys past DynamoDB's per-key limits, as DynamoDB would.
 ``--systems fleetd`` (failover only) re-runs one system's trials and keeps the other's
 from ``DIR``: the baseline's full-size trials take an hour and do not change with fleetd.
 """
@@ -40,6 +43,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     size.add_argument("--smoke", action="store_true", help="CI size: <= 3 minutes, asserts invariants only")
     p.add_argument("--systems", default="fleetd,baseline",
                    help="failover only: the systems to run; the others' results already in --out are kept")
+    p.add_argument("--meter-keys", action="store_true",
+                   help="failover, cold_start: systems through the metering proxy; report the hottest key per event")
+    p.add_argument("--throttle-keys", action="store_true",
+                   help="the metering proxy throttles a key past DynamoDB's 1,000 WCU/s or 3,000 RCU/s per key "
+                        "value (implies --meter-keys)")
     args = p.parse_args(argv)
     args.systems = tuple(x.strip() for x in args.systems.split(",") if x.strip())
     if not args.systems or set(args.systems) - set(failover.EVENTS):
@@ -101,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     profile = PROFILES["smoke" if args.smoke else "quick" if args.quick else "full"]
     names = SCENARIOS if args.scenario == "all" else (args.scenario,)
-    with opened(args.out, profile) as ctx:
+    with opened(args.out, profile, meter_keys=args.meter_keys, throttle_keys=args.throttle_keys) as ctx:
         ctx.progress(f"bench {args.scenario} ({profile.name}) → {args.out}")
         run_scenarios(ctx, names, args.systems)
         ctx.progress(f"done: {args.out / 'report.md'}")
