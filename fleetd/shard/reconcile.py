@@ -3,8 +3,10 @@
 Rules: GSI reads only nominate candidates, the conditional claim decides.  A session's items are
 taken over only once it is dead by a tombstone (``LeaseStore.fate``: a consistent read, and the
 tombstone written if due), and the session is forgotten only when it owns nothing and its grace —
-which covers a late claim with all its SDK retries — has passed.  Without a live session the loop
-reads nothing: a round that cannot claim only loads the index.
+which covers a late claim with all its SDK retries — has passed.  Past the grace, what the session
+still owns and we have no room for is freed (a full fleet must not keep a dead session, or a STOPPED
+item no claim takes, for good).  Without a live session the loop reads nothing: a round that cannot
+claim only loads the index.
 """
 
 from __future__ import annotations
@@ -112,6 +114,10 @@ class Reconciler:
         while self._announced and self.holdings.free_capacity() > 0:
             await self.take_over(self._announced.pop())
         if self.holdings.free_capacity() <= 0:
+            # Full, we claim nothing, but dead sessions must still end: what no shard has room for
+            # is freed past their grace (see take_over).  A slow look: it only bounds how long.
+            if self.ctx.cfg.lease.lease_mode == "session" and rounds % STRAYS_EVERY == STRAYS_EVERY - 1:
+                await self._take_over_dead()
             return False
         # An emptier shard claims first: a delay proportional to load spreads streams evenly.
         load = len(self.holdings) / self.holdings.capacity
@@ -138,8 +144,8 @@ class Reconciler:
         horizon_ms = int(lease.reconcile_s * (1 + lease.reconcile_jitter) * 1000)
         dead, dying_at_ms = await self.ctx.leases.dead_and_dying(horizon_ms)
         for sid in dead:
-            if sid != self.session.session_id and self.holdings.free_capacity() > 0:
-                await self.take_over(sid, shared=True)
+            if sid != self.session.session_id:
+                await self.take_over(sid, shared=True)  # full, it only frees what nobody placed
         if dying_at_ms is not None:
             self._wake_at(dying_at_ms)
 
@@ -161,7 +167,8 @@ class Reconciler:
         await self._disown_unclaimable(dead, [cid for cid in owned if self.claimer.skipped(cid)])
         random.shuffle(ids)
         backlog = len(ids)
-        ids = await self._our_part(ids) if shared else ids[: max(0, self.holdings.free_capacity())]
+        room = max(0, self.holdings.free_capacity())
+        ids = await self._our_part(ids) if shared else ids[:room]
         limit = self.ctx.cfg.lease.claim_concurrency
         outcomes = await bounded(ids, limit, lambda cid: self.claimer.claim(cid, dead_owner=dead))
         if len(ids) < backlog and Outcome.WON in outcomes and self.holdings.free_capacity() > 0:
@@ -174,9 +181,22 @@ class Reconciler:
             lost = [cid for cid in lost if cid in still]
         freed = await bounded(lost, limit, lambda cid: leases.free_stopped(cid, dead))
         self.ctx.stats.inc("dead_session_stopped_freed_total", float(sum(o is Outcome.WON for o in freed)))
-        if await leases.items_of(dead, limit=1) or not leases.past_grace(death.dead_at_ms):
+        if not leases.past_grace(death.dead_at_ms):
             return False  # keep looking until no late claim of the dead session can land
+        if room == 0 and len(ids) < backlog:
+            await self._disown_unplaced(dead)
+        if await leases.items_of(dead, limit=1):
+            return False
         return await leases.delete_dead_session(dead) in (Outcome.WON, Outcome.LOST)  # LOST: a peer did
+
+    async def _disown_unplaced(self, dead: str) -> None:
+        """Past its grace a dead session still owns items and we have no room for them: free them (with
+        hints), so that they wait in the free index like any backlog and the session can be forgotten.
+        Shards with room had the whole grace to claim them; a STOPPED one, which no claim takes, would
+        otherwise stay owned by the dead session for good."""
+        left = [cid for cid in await self.ctx.leases.items_of(dead) if not self.holdings.busy(cid)]
+        freed = await disown(self.ctx, left, dead)
+        self.ctx.stats.inc("dead_session_unplaced_freed_total", float(len(freed)))
 
     async def _disown_unclaimable(self, dead: str, ids: list[str]) -> None:
         """Items no claim fits, owned by a dead session: made free (owned by nobody, unhinted), so that
@@ -232,7 +252,7 @@ class Reconciler:
         """Of a backlog (shuffled), what we claim now: all that fits if it is no more than a step;
         else our share of it, our partition first (``fleetd.shard.share``)."""
         room = max(0, self.holdings.free_capacity())
-        if len(ids) <= self._step():
+        if room == 0 or len(ids) <= self._step():
             return ids[:room]
         me = self.session.session_id
         takers = await self._sharing()
