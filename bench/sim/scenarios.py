@@ -458,6 +458,43 @@ def _pause_setup(w: World) -> None:
     w.sched.at(START + 3.0, stop)
 
 
+def _rewound_renewal(p: Params) -> None:
+    quiet(p)
+    session_mode(p)
+    fast(p, lease_mode="session", rebalance_s=0.0, max_connections_per_shard=700)
+    p.skews_ms = [0] * len(p.skews_ms)
+    p.index_lag_ms = (0, 5)
+    p.faults_until = max(p.faults_until, 16.0)
+
+
+REWIND_DUP_S = 3.5
+"""How long after its first application t0/s0's renewal A is applied again (an attempt that lands late):
+after the three renewals that follow it, so it would set the session's expiry back by ~3 heartbeats."""
+
+
+def _rewound_renewal_setup(w: World) -> None:
+    """t0/s0's first renewal A after START+3 s is applied, answered, and applied again 3.5 s later (an SDK
+    attempt that lands late), after three later renewals pushed the expiry to A + 3 heartbeats + TTL; every
+    renewal sent after A's second landing is throttled.  Applied again, A would set the expiry back to its own
+    ``:exp``: peers would read t0/s0 as dead ``margin`` after that and take its streams over while t0/s0,
+    justified by its last renewal, streams them for up to two heartbeats more (one_streamer_socket)."""
+    sessions = w.cfg.aws.sessions_table
+    st: dict[str, float] = {"a": 0.0}
+
+    def renewal(req: Request) -> bool:
+        return _is(req, "UpdateItem", sessions, "t0/s0") and "expires_at_ms = :exp" in _expr(req)
+
+    def first(req: Request) -> bool:
+        if renewal(req) and req.attempt == 1 and req.sent_at > START + 3.0 and not st["a"]:
+            st["a"] = req.sent_at
+            return True
+        return False
+
+    w.net.rule(first, "dup", times=1, delay_s=REWIND_DUP_S)
+    w.net.rule(lambda r: renewal(r) and bool(st["a"]) and r.sent_at > st["a"] + REWIND_DUP_S
+               and r.sent_at < st["a"] + REWIND_DUP_S + 6.0, "throttle", times=1000)
+
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("calm", "no request faults and no lifecycle events", calm),
     Scenario("unsafe_skew", "one shard's clock far beyond safety_margin_s (SPEC: voids the guarantee)", _unsafe_skew),
@@ -478,6 +515,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("lost_claim", "defect 3: a claim's SDK retry lands after the session died", _lost_claim,
              _lost_claim_setup),
     Scenario("pause", "a shard paused for 2 x TTL, then resumed", _pause, _pause_setup),
+    Scenario("rewound_renewal", "a renewal applied again after later ones would set the expiry back",
+             _rewound_renewal, _rewound_renewal_setup),
 )}
 
 
