@@ -397,7 +397,15 @@ class LeaseStore:
 
     async def renew_session(self, session_id: str, held: int,
                             draining: bool = False) -> tuple[Outcome, int, int]:
-        """Extend a live session; an expired one can never come back (condition on now).
+        """Extend a live session; an expired one can never come back (condition on now), and its expiry
+        only ever moves forward.
+
+        The expiry peers read is the one they declare death by, so it must never move back: a renewal
+        applied late (an SDK attempt landing after later renewals) would otherwise set it back below
+        the deadline the owner counts from its latest renewal, and peers would take over streams the
+        owner still streams.  ``expires_at_ms <= :exp`` keeps every re-application of one renewal
+        idempotent and makes an older one a no-op.  Such an older one's answer, if it arrives, is
+        RETRYABLE, not LOST: the session is alive and a later renewal of its own extended it.
 
         The third value is the session's ``handed_count`` (see ``notify_handed``): a peer handed
         us streams since the last renewal if it grew.  A count the renewal only reads survives
@@ -411,7 +419,8 @@ class LeaseStore:
             Key={"session_id": _s(session_id)},
             UpdateExpression="SET expires_at_ms = :exp, held = :held, draining = :dr, #ttl = :ttl",
             # A tombstone is final: a renewal (or its SDK retry, landing late) never revives a dead session.
-            ConditionExpression="attribute_not_exists(dead_at_ms) AND expires_at_ms >= :now",
+            ConditionExpression="attribute_not_exists(dead_at_ms) AND expires_at_ms >= :now "
+                                "AND expires_at_ms <= :exp",
             ExpressionAttributeNames={"#ttl": "ttl"},
             ExpressionAttributeValues={":exp": _n(expires), ":now": _n(now), ":held": _n(held),
                                        ":dr": {"BOOL": draining},
@@ -419,7 +428,19 @@ class LeaseStore:
             ReturnValues="ALL_NEW",
         )
         handed = _num(resp.get("Attributes", {}), "handed_count") if outcome is Outcome.WON else 0
+        if outcome is Outcome.LOST and await self._superseded(session_id, expires):
+            outcome = Outcome.RETRYABLE
         return outcome, expires, handed
+
+    async def _superseded(self, session_id: str, expires: int) -> bool:
+        """A failed renewal's session is alive without a tombstone, with an expiry beyond ``expires``
+        (consistent read; False when unreadable: a renewal that cannot be explained counts as lost)."""
+        try:
+            record = await self._session_record(session_id)
+        except Exception:
+            return False
+        return (record is not None and "dead_at_ms" not in record
+                and _num(record, "expires_at_ms") > expires and not self.expired(_num(record, "expires_at_ms")))
 
     async def notify_handed(self, session_id: str) -> Outcome:
         """Tell a live session it was handed streams (its ``handed_count`` grows): its next renewal

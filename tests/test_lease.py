@@ -213,6 +213,33 @@ def test_a_renewal_sent_before_expiry_cannot_revive_a_session_declared_dead(cfg:
     arun(main())
 
 
+def test_a_renewal_applied_after_a_later_one_never_sets_the_expiry_back(cfg: Config) -> None:
+    """An SDK attempt of renewal A can land after renewal B: applied, it would set the expiry back to A's,
+    below what B justified, and peers would declare the session dead while its owner still streams
+    (sim scenario rewound_renewal).  A re-applied renewal is a no-op once a later one landed; its
+    answer says RETRYABLE (the session is alive), while a re-application of the latest stays WON."""
+    start = SystemClock().now_ms()
+    clock = ManualClock(now_ms=start)
+
+    async def main() -> None:
+        async with clients(cfg) as c:
+            owner = store(c.dynamodb, cfg, clock)
+            await owner.create_session(SessionInfo("t/4/r", "t", 4, 700))
+            a_clock = ManualClock(now_ms=start + 1000)  # renewal A, built 1 s after the start ...
+            late = store(c.dynamodb, cfg, a_clock)
+            assert (await late.renew_session("t/4/r", held=0))[0] is Outcome.WON
+            clock.advance(3.0)  # ... renewal B, 2 s later, lands
+            outcome, b_expires, _ = await owner.renew_session("t/4/r", held=0)
+            assert outcome is Outcome.WON
+            outcome, a_expires, _ = await late.renew_session("t/4/r", held=0)  # A, applied again
+            assert outcome is Outcome.RETRYABLE and a_expires < b_expires
+            assert (await owner.renew_session("t/4/r", held=0))[0] is Outcome.WON  # B again: same value
+            record = await owner._session_record("t/4/r")
+            assert record is not None and int(record["expires_at_ms"]["N"]) == b_expires
+
+    arun(main())
+
+
 def test_a_crashed_process_is_buried_with_the_session_it_had_not_reported(cfg: Config) -> None:
     """The supervisor knows the session a shard last reported; a replacement the shard opened just before
     it crashed carries the same pid and is buried too (else it waits for its TTL); a successor's is not."""
