@@ -254,13 +254,14 @@ class LeaseStore:
         return outcome
 
     async def renew_item(self, connection_id: str, me: str, epoch: int) -> Outcome:
-        """Item mode: push one item's expiry out by the TTL."""
+        """Item mode: push one item's expiry out by the TTL, never back (as for sessions: a renewal
+        applied after a later one must not set back the expiry peers claim by)."""
         outcome, _ = await self._write(
             "UpdateItem",
             TableName=self.conns,
             Key={"connection_id": _s(connection_id)},
             UpdateExpression="SET lease_expires_at_ms = :exp",
-            ConditionExpression="lease_owner = :me AND lease_epoch = :epoch",
+            ConditionExpression="lease_owner = :me AND lease_epoch = :epoch AND lease_expires_at_ms <= :exp",
             ExpressionAttributeValues={":exp": _n(self.clock.now_ms() + self.ttl_ms), ":me": _s(me),
                                        ":epoch": _n(epoch)},
         )

@@ -66,6 +66,10 @@ def test_item_renew_release_and_free_query(cfg: Config) -> None:
             assert await leases.renew_item("a", "intruder", epoch) is Outcome.LOST
             assert await leases.renew_item("a", "me", epoch + 1) is Outcome.LOST
             assert await leases.renew_item("a", "me", epoch) is Outcome.WON
+            behind = store(c.dynamodb, cfg, ManualClock(now_ms=clock.now_ms() - 2000))
+            assert await behind.renew_item("a", "me", epoch) is Outcome.LOST  # an older renewal: never a rewind
+            item = await leases.get("a")
+            assert item is not None and item.lease_expires_at_ms == clock.now_ms() + int(cfg.lease.lease_ttl_s * 1000)
             assert (await leases.claim("a", "other")).outcome is Outcome.LOST
             assert await leases.checkpoint("a", "me", epoch, 41) is Outcome.WON
             assert await leases.release("a", "me", epoch, 42) is Outcome.WON
