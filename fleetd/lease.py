@@ -429,19 +429,22 @@ class LeaseStore:
             ReturnValues="ALL_NEW",
         )
         handed = _num(resp.get("Attributes", {}), "handed_count") if outcome is Outcome.WON else 0
-        if outcome is Outcome.LOST and await self._superseded(session_id, expires):
+        if outcome is Outcome.LOST and not await self._session_over(session_id, expires):
             outcome = Outcome.RETRYABLE
         return outcome, expires, handed
 
-    async def _superseded(self, session_id: str, expires: int) -> bool:
-        """A failed renewal's session is alive without a tombstone, with an expiry beyond ``expires``
-        (consistent read; False when unreadable: a renewal that cannot be explained counts as lost)."""
+    async def _session_over(self, session_id: str, expires: int) -> bool:
+        """Why a renewal failed its condition, by a consistent read: the session is over (a tombstone, no
+        item, or expired) — or else a later renewal of ours had already moved its expiry beyond
+        ``expires``.  Unreadable: not known to be over (the fence deadline guards safety meanwhile)."""
         try:
             record = await self._session_record(session_id)
         except Exception:
             return False
-        return (record is not None and "dead_at_ms" not in record
-                and _num(record, "expires_at_ms") > expires and not self.expired(_num(record, "expires_at_ms")))
+        if record is None or "dead_at_ms" in record:
+            return True
+        stored = _num(record, "expires_at_ms")
+        return stored <= expires or self.expired(stored)
 
     async def notify_handed(self, session_id: str) -> Outcome:
         """Tell a live session it was handed streams (its ``handed_count`` grows): its next renewal
