@@ -45,6 +45,15 @@ ENV_NOT_SETTINGS: Mapping[str, str] = {
 LOOPBACK_NETWORKS: tuple[str, ...] = ("127.0.0.0/8", "::1/128")
 
 
+# Lease timings whose default depends on the mode (a setting of 0 means "the mode's default").  Session mode
+# renews one item per shard, so it can afford a short TTL: a lost task is detected in TTL + margin.  Item mode
+# renews every connection item, so it keeps the seed design's cost.
+MODE_TIMINGS: Mapping[str, Mapping[str, float]] = {
+    "session": {"lease_ttl_s": 6.0, "heartbeat_s": 1.5},
+    "item": {"lease_ttl_s": 20.0, "heartbeat_s": 5.0},
+}
+
+
 class ConfigError(ValueError):
     """A configuration value is missing, malformed or inconsistent (one line)."""
 
@@ -63,8 +72,13 @@ class LeaseConfig:
         "`item`: every connection item is renewed (seed-compatible).",
         default="session",
     )
-    lease_ttl_s: float = _doc("Lifetime of a session or item lease without renewal.", default=20.0)
-    heartbeat_s: float = _doc("Interval between lease renewals; must be below the TTL.", default=5.0)
+    lease_ttl_s: float = _doc(
+        "Lifetime of a session or item lease without renewal; 0 = the mode's default: 6 s in session mode "
+        "(a lost task's streams are taken over about 8 s after its last renewal), 20 s in item mode (the "
+        "seed's; every item renewal is a write).", default=0.0)
+    heartbeat_s: float = _doc(
+        "Interval between lease renewals, counted from each send; must be below the TTL.  0 = the mode's "
+        "default: 1.5 s in session mode, 5 s in item mode.", default=0.0)
     safety_margin_s: float = _doc(
         "Self-fence this long before expiry without a renewal; also the assumed max clock skew.",
         default=2.0,
@@ -110,6 +124,11 @@ class LeaseConfig:
         "Added to this process's wall clock (fault-injection of clock skew; keep 0 in production).",
         default=0,
     )
+
+    def __post_init__(self) -> None:
+        for name, value in MODE_TIMINGS[self.lease_mode].items():
+            if getattr(self, name) == 0:
+                object.__setattr__(self, name, value)  # frozen: resolved once, at construction
 
 
 @dataclass(frozen=True, slots=True)
@@ -452,11 +471,23 @@ def replace(cfg: Config, **changes: Any) -> Config:
         if name not in index:
             raise ConfigError(f"unknown setting {name}")
         by_group.setdefault(index[name], {})[name] = value
+    if "lease" in by_group:
+        _follow_mode(cfg.lease, by_group["lease"])
     new = dataclasses.replace(
         cfg, **{g: dataclasses.replace(getattr(cfg, g), **v) for g, v in by_group.items()}
     )
     validate(new)
     return new
+
+
+def _follow_mode(lease: LeaseConfig, changes: dict[str, Any]) -> None:
+    """A mode change carries along the timings that were the old mode's defaults (not set explicitly)."""
+    mode = changes.get("lease_mode", lease.lease_mode)
+    if mode == lease.lease_mode:
+        return
+    for name, value in MODE_TIMINGS[lease.lease_mode].items():
+        if name not in changes and getattr(lease, name) == value:
+            changes[name] = 0.0
 
 
 def as_env(cfg: Config) -> dict[str, str]:

@@ -20,11 +20,30 @@ def write(tmp_path: Path, text: str, name: str = "fleetd.toml") -> str:
     return str(path)
 
 
+@pytest.mark.parametrize(("source", "expected"), [
+    ({"FLEETD_LEASE_MODE": "item"}, (20.0, 5.0)),
+    ({"FLEETD_LEASE_MODE": "item", "FLEETD_LEASE_TTL_S": "8", "FLEETD_HEARTBEAT_S": "2"}, (8.0, 2.0)),
+    ({"FLEETD_LEASE_MODE": "session", "FLEETD_LEASE_TTL_S": "0"}, (6.0, 1.5)),
+])
+def test_lease_timings_default_by_mode(source: dict[str, str], expected: tuple[float, float]) -> None:
+    """0 (the default) means the mode's own: session 6 s / 1.5 s, item the seed's 20 s / 5 s."""
+    lease = config.load(env=source).lease
+    assert (lease.lease_ttl_s, lease.heartbeat_s) == expected
+
+
+def test_a_mode_change_carries_the_mode_default_timings_along() -> None:
+    """``replace`` switching modes re-resolves timings left at the old mode's defaults, keeps explicit ones."""
+    assert config.replace(Config(), lease_mode="item").lease.lease_ttl_s == 20.0
+    assert config.replace(Config(), lease_mode="item", lease_ttl_s=8.0).lease.lease_ttl_s == 8.0
+    item = config.replace(Config(), lease_mode="item")
+    assert config.replace(item, lease_mode="session").lease.heartbeat_s == 1.5
+
+
 def test_defaults() -> None:
     cfg = config.load(env={})
     assert cfg == Config()
     assert cfg.lease.lease_mode == "session"
-    assert (cfg.lease.lease_ttl_s, cfg.lease.heartbeat_s, cfg.lease.safety_margin_s) == (20.0, 5.0, 2.0)
+    assert (cfg.lease.lease_ttl_s, cfg.lease.heartbeat_s, cfg.lease.safety_margin_s) == (6.0, 1.5, 2.0)
     assert (cfg.lease.reconcile_s, cfg.lease.reconcile_jitter, cfg.lease.desired_state_s) == (5.0, 0.2, 10.0)
     assert cfg.lease.checkpoint_s == 30.0
     assert cfg.aws.connections_table == "fleetd-connections"
@@ -121,9 +140,9 @@ def test_integer_settings_accept_integral_toml_floats(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("env", "message"), [
     ({"FLEETD_HEARTBEAT_S": "20"}, "heartbeat_s (20.0) must be below lease_ttl_s"),
     ({"FLEETD_HEARTBEAT_S": "30", "FLEETD_LEASE_TTL_S": "20"}, "must be below lease_ttl_s"),
-    ({"FLEETD_HEARTBEAT_S": "17", "FLEETD_SAFETY_MARGIN_S": "3"}, "would self-fence"),
+    ({"FLEETD_HEARTBEAT_S": "4", "FLEETD_SAFETY_MARGIN_S": "3"}, "would self-fence"),
     ({"FLEETD_LEASE_TTL_S": "-1"}, "lease_ttl_s must be > 0"),
-    ({"FLEETD_HEARTBEAT_S": "0"}, "heartbeat_s must be > 0"),
+    ({"FLEETD_HEARTBEAT_S": "-1"}, "heartbeat_s must be > 0"),
     ({"FLEETD_SAFETY_MARGIN_S": "-0.5"}, "safety_margin_s must be >= 0"),
     ({"FLEETD_SHARDS": "-2"}, "shards must be >= 0"),
     ({"FLEETD_MAX_CONNECTIONS_PER_SHARD": "0"}, "max_connections_per_shard"),

@@ -207,7 +207,7 @@ def test_a_renewal_sent_before_expiry_cannot_revive_a_session_declared_dead(cfg:
         async with clients(cfg) as c:
             owner, peer = store(c.dynamodb, cfg, sent), store(c.dynamodb, cfg, peer_clock)
             await owner.create_session(SessionInfo("t/3/w", "t", 3, 700))
-            peer_clock.advance(cfg.lease.lease_ttl_s + cfg.lease.safety_margin_s + 0.001)
+            peer_clock.advance(cfg.lease.lease_ttl_s + cfg.lease.safety_margin_s + 0.01)
             sent.advance(cfg.lease.lease_ttl_s - 0.5)  # a renewal sent just before the expiry ...
             assert (await peer.fate("t/3/w")).fate is Fate.DEAD  # ... the peer declares it dead first
             assert (await owner.renew_session("t/3/w", held=0))[0] is Outcome.LOST  # ... then it lands
