@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 # After a peer marks that it handed us streams, we look for them this long: `by_owner` may show them
 # only after its lag, and a stream not found then waits for the periodic scan of our own items.
 HANDED_WATCH_S = 10.0
+# Renewals in flight at once: enough that two hung requests do not stop the heartbeat, few enough that a
+# DynamoDB in trouble is not sent a growing pile of them.
+RENEWALS_IN_FLIGHT = 3
 
 
 def fence_deadline(lease: LeaseConfig, sent_at: float) -> float:
@@ -168,13 +171,38 @@ class SessionKeeper:
             tg.create_task(self._fence_loop(), name="fence")
 
     async def _heartbeat_loop(self) -> None:
-        """Renew every ``heartbeat_s``; after a failure retry sooner (the fence loop guards safety)."""
+        """Renew every ``heartbeat_s`` counted from each send, so a slow answer does not stretch the
+        period; a renewal still unanswered one heartbeat after its send does not hold the next back
+        (at most ``RENEWALS_IN_FLIGHT`` at once), so a hung request costs a heartbeat, not a read
+        timeout.  After a failure the next goes sooner.  Renewals may land out of order: the store
+        never lets the expiry move back, and each answer extends the deadline from its own send."""
+        pending: set[asyncio.Task[bool]] = set()
+        delay = self.ctx.cfg.lease.heartbeat_s
+        try:
+            while not await wait(self.ctx.stopping, delay):
+                delay = await self._beat(pending)
+        finally:
+            for task in pending:
+                task.cancel()
+
+    async def _beat(self, pending: set[asyncio.Task[bool]]) -> float:
+        """One heartbeat; returns the wait until the next."""
         beat = self.ctx.cfg.lease.heartbeat_s
-        delay = beat
-        while not await wait(self.ctx.stopping, delay):
-            # Abandoned: a replacement is under way.  A failed round retries sooner (the fence loop guards safety).
-            ok = self.state.abandoned or await self._heartbeat_guard.run(self.renew, False)
-            delay = beat if ok else min(1.0, beat / 4)
+        retry = min(1.0, beat / 4)
+        if self.state.abandoned:
+            return beat  # a replacement is under way
+        if len(pending) >= RENEWALS_IN_FLIGHT:
+            return retry
+        sent = self.ctx.clock.monotonic()
+        task = asyncio.ensure_future(self._heartbeat_guard.run(self.renew, False))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+        done, _ = await asyncio.wait({task}, timeout=beat)
+        if task not in done:
+            return 0.0  # a heartbeat has passed since its send: the next goes now
+        if not task.result():
+            return retry
+        return max(0.0, sent + beat - self.ctx.clock.monotonic())
 
     async def _fence_loop(self) -> None:
         """Watchdog: fence everything at the session's deadline, however long a renewal call hangs.
