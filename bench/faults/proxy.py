@@ -22,6 +22,8 @@ to it; with none, the request is forwarded unchanged.  A rule fires with its
 Actions (``params`` in brackets):
 
 * ``latency`` (``seconds``)  — delay, then carry on;
+* ``stall`` (``until``)      — hold the request until ``until`` (epoch seconds), then carry on: DynamoDB
+  stalled, every request arriving meanwhile applied and answered at the stall's end;
 * ``error500`` / ``error503`` — answer 500 ``InternalServerError`` / 503
   ``ServiceUnavailable`` without forwarding;
 * ``throttle`` (``code``)    — answer 400 ``ProvisionedThroughputExceededException``
@@ -50,6 +52,7 @@ import random
 import socket
 import struct
 import threading
+import time
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -65,7 +68,7 @@ from aiohttp import web
 from fleetd.aws import client_config, region_of
 from fleetd.config import AwsConfig
 
-ACTIONS = frozenset({"latency", "error500", "error503", "throttle", "drop_response", "reset", "blackhole",
+ACTIONS = frozenset({"latency", "stall", "error500", "error503", "throttle", "drop_response", "reset", "blackhole",
                      "unprocessed"})
 T = TypeVar("T")
 DYNAMODB_ERROR_PREFIX = "com.amazonaws.dynamodb.v20120810#"
@@ -190,6 +193,9 @@ class FaultProxy:
                 continue
             if rule.action == "latency":
                 await asyncio.sleep(float(rule.params.get("seconds", 0.1)))
+                continue
+            if rule.action == "stall":
+                await asyncio.sleep(max(0.0, float(rule.params["until"]) - time.time()))
                 continue
             return rule
         return None

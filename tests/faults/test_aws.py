@@ -543,7 +543,7 @@ def test_ambiguous_writes(trial: int, cfg: Config, tmp_path: Path, upstream: Ups
     assert not outcome.failures, "\n".join(outcome.failures)
 
 
-SQS_TTL_S = Config().lease.lease_ttl_s  # the product TTL (20 s): a takeover through expiry would show as ≥ 20 s
+SQS_TTL_S = 20.0  # far above the reconcile bound: a takeover through expiry would show as ≥ 20 s
 SQS_RECOVERY_BOUND_S = 2 * RECONCILE_S * 1.2 + 2.0  # two jittered reconcile rounds + close, flush, connect
 
 
@@ -631,3 +631,82 @@ def test_rebalancing(trial: int, cfg: Config, tmp_path: Path, upstream: Upstream
     outcome = run_trial("rebalancing", trial, cfg, tmp_path, upstream, sqs_proxy, keep,
                         env={"FLEETD_REBALANCE_S": str(REBALANCE_S)}, check_more=some_handed, modes=("session",))
     assert not outcome.failures, "\n".join(outcome.failures)
+
+
+# ----- the default session timings' tolerance (issue #14) ------------------------------------------------
+# Session mode's defaults (TTL 6 s, heartbeat 1.5 s, margin 2 s) fence a session 4 s after its last
+# successful renewal was sent.  These scenarios run the shards at those defaults (and the product's AWS
+# timeout) and demand that DynamoDB answering every call 1 s late, losing 30 % of its answers, or stalling
+# for 2 s at a time makes no shard give up its session.
+
+PRODUCT = Config()
+DEFAULT_TIMINGS = {"FLEETD_LEASE_TTL_S": str(PRODUCT.lease.lease_ttl_s),
+                   "FLEETD_HEARTBEAT_S": str(PRODUCT.lease.heartbeat_s),
+                   "FLEETD_SAFETY_MARGIN_S": str(PRODUCT.lease.safety_margin_s),
+                   "FLEETD_AWS_TIMEOUT_S": str(PRODUCT.aws.aws_timeout_s)}
+CI_TRIALS.update({"one_second_latency": 1, "lost_answers": 1, "stalls": 1})
+STALL_S = 2.0
+
+
+def given_up(fleet: Fleet) -> list[str]:
+    """Shards that gave a session up: opened more than one, fenced themselves, or lost one."""
+    found = []
+    for s in fleet.shards:
+        events = [str(r.get("event", "")) for r in s.proc.logs()]
+        opened = events.count("session opened")
+        fences = [e for e in events if e.startswith("self-fencing") or e == "session lost"]
+        if opened != 1 or fences:
+            found.append(f"{s.task}: {opened} sessions opened, {fences[:3]}")
+    return found
+
+
+def hiccups(fleet: Fleet, kind: str, duration: float) -> FaultReport:
+    """``kind`` on every shard's DynamoDB for ``duration``; then a TTL of calm before the sessions are judged."""
+    start = time.time()
+    if kind == "one_second_latency":
+        fleet.fault(None, "latency", 1.0, seconds=1.0)
+        time.sleep(duration)
+    elif kind == "lost_answers":  # applied, then the answer lost: half as a 500, half as a reset connection
+        fleet.fault(None, "drop_response", 0.15, mode="500")
+        fleet.fault(None, "drop_response", 0.15 / 0.85, mode="reset")
+        time.sleep(duration)
+    else:  # stalls of STALL_S at random phases of the heartbeat, a little apart
+        stalled = 0
+        while time.time() < start + duration:
+            time.sleep(fleet.rng.uniform(1.0, 3.0))
+            fleet.fault(None, "stall", 1.0, until=time.time() + STALL_S)
+            time.sleep(STALL_S)
+            stalled += fleet.fired()
+            fleet.heal()
+    fired = stalled if kind == "stalls" else fleet.fired()
+    end = fleet.heal()
+    time.sleep(PRODUCT.lease.lease_ttl_s)  # a renewal the fault delayed has landed or failed by now
+    return FaultReport(start, end, {"kind": kind, "duration_s": duration, "faults_fired": fired,
+                                    "given_up": given_up(fleet)})
+
+
+def _tolerance_trial(kind: str, trial: int, cfg: Config, tmp_path: Path, upstream: UpstreamProc,
+                     sqs: ProxyThread, long_run: bool) -> None:
+    duration = 40.0 if long_run else 12.0
+
+    def kept_sessions(report: FaultReport, outcome: Outcome) -> list[str]:
+        return [f"a session was given up under {kind}: {g}" for g in report.extra["given_up"]]
+
+    outcome = run_trial(kind, trial, cfg, tmp_path, upstream, sqs, lambda f: hiccups(f, kind, duration),
+                        env=DEFAULT_TIMINGS, check_more=kept_sessions, modes=("session",))
+    assert not outcome.failures, "\n".join(outcome.failures)
+
+
+def test_one_second_latency(trial: int, cfg: Config, tmp_path: Path, upstream: UpstreamProc,
+                            sqs_proxy: ProxyThread, long_run: bool) -> None:
+    _tolerance_trial("one_second_latency", trial, cfg, tmp_path, upstream, sqs_proxy, long_run)
+
+
+def test_lost_answers(trial: int, cfg: Config, tmp_path: Path, upstream: UpstreamProc,
+                      sqs_proxy: ProxyThread, long_run: bool) -> None:
+    _tolerance_trial("lost_answers", trial, cfg, tmp_path, upstream, sqs_proxy, long_run)
+
+
+def test_stalls(trial: int, cfg: Config, tmp_path: Path, upstream: UpstreamProc,
+                sqs_proxy: ProxyThread, long_run: bool) -> None:
+    _tolerance_trial("stalls", trial, cfg, tmp_path, upstream, sqs_proxy, long_run)
