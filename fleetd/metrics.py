@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 
-from fleetd.stats import LATENCY_BUCKETS, Key, Labels
+from fleetd.stats import LAG_BUCKETS, LATENCY_BUCKETS, Key, Labels
 from fleetd.validation import REFUSAL_REASONS
 
 log = logging.getLogger("fleetd.metrics")
@@ -52,6 +52,13 @@ class Family:
     kind: Kind
     doc: str
     label_sets: tuple[Mapping[str, str], ...] = ({},)
+    buckets: tuple[float, ...] = LATENCY_BUCKETS  # histograms: the layout the shard observes into
+
+    def zero(self) -> float | HistValue:
+        """The value of a series nothing was reported for yet."""
+        if self.kind == "histogram":
+            return self.buckets, [0] * (len(self.buckets) + 1), 0, 0.0
+        return 0.0
 
 
 def _sets(label: str, *values: str) -> tuple[Mapping[str, str], ...]:
@@ -70,7 +77,9 @@ REQUIRED: tuple[Family, ...] = (
     Family("sink_stalled_streams", "gauge",
            "Streams whose checkpoint is held by a message DynamoDB refuses as invalid (retried, never skipped)."),
     Family("sink_stalled_messages", "gauge", "Messages DynamoDB refused as invalid and not written since."),
-    Family("event_loop_lag_seconds", "gauge", "How late the shard's once-a-second report tick ran."),
+    Family("event_loop_lag_seconds", "histogram",
+           "How late the shard's event loop ran a timer, sampled every 0.25 s: the lag of every callback it runs.",
+           buckets=LAG_BUCKETS),
     Family("lease_claims_total", "counter", "Conditional claims by result.", _sets("result", *_RESULTS)),
     Family("lease_renewals_total", "counter", "Lease renewals by result.", _sets("result", *_RESULTS)),
     Family("lease_lost_total", "counter", "Connections fenced because their lease was lost, by reason.",
@@ -299,13 +308,12 @@ def _shard_samples(b: _Builder, v: _View) -> None:
 
 def _defaults(b: _Builder, index: int, alive: bool) -> None:
     """Zero series for the required families; gauges only for live shards (a dead one's must vanish)."""
-    empty_hist: HistValue = (LATENCY_BUCKETS, [0] * (len(LATENCY_BUCKETS) + 1), 0, 0.0)
     for fam in REQUIRED:
         b.declare(fam.name, fam.kind)
         if fam.kind == "gauge" and not alive:
             continue
         for labels in fam.label_sets:
-            b.setdefault(fam.kind, fam.name, _labels(labels, index), empty_hist if fam.kind == "histogram" else 0.0)
+            b.setdefault(fam.kind, fam.name, _labels(labels, index), fam.zero())
 
 
 def _doc(name: str) -> str:

@@ -16,6 +16,9 @@ Key = tuple[str, Labels]
 
 # Seconds; covers a fast local BatchWriteItem up to a throttled retry storm.
 LATENCY_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Seconds; event-loop lag from uvloop's 1 ms clock resolution up to a stall that risks self-fencing
+# (safety_margin_s, 2 s by default).  20 ms is a bound of its own: the shard's p99 target.
+LAG_BUCKETS: tuple[float, ...] = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 def _key(name: str, labels: dict[str, str]) -> Key:
@@ -23,7 +26,8 @@ def _key(name: str, labels: dict[str, str]) -> Key:
 
 
 class Histogram:
-    """Cumulative-at-export histogram with fixed buckets."""
+    """Cumulative-at-export histogram with fixed buckets: ``counts[i]`` holds the values in
+    ``(buckets[i-1], buckets[i]]``, the last one those above every bucket (+Inf)."""
 
     __slots__ = ("buckets", "count", "counts", "sum")
 
@@ -58,11 +62,21 @@ class Stats:
         self.gauges[_key(name, labels)] = value
 
     def observe(self, name: str, value: float, **labels: str) -> None:
+        """One value into the histogram ``name``, of ``LATENCY_BUCKETS`` (another layout: :meth:`histogram`)."""
+        self.histogram(name, LATENCY_BUCKETS, **labels).observe(value)
+
+    def histogram(self, name: str, buckets: tuple[float, ...], /, **labels: str) -> Histogram:
+        """The histogram of this name and labels, created with ``buckets`` if it does not exist yet.
+
+        A hot path keeps the returned object and observes into it directly (no key built per value).
+        One name has one bucket layout: asking for another is a ValueError."""
         key = _key(name, labels)
         hist = self.histograms.get(key)
         if hist is None:
-            hist = self.histograms[key] = Histogram()
-        hist.observe(value)
+            hist = self.histograms[key] = Histogram(buckets)
+        elif hist.buckets != buckets:
+            raise ValueError(f"histogram {name} has buckets {hist.buckets}, not {buckets}")
+        return hist
 
     def counter(self, name: str, **labels: str) -> float:
         """Current value of one counter (0 if never incremented)."""

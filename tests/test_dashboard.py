@@ -58,7 +58,7 @@ REQUIRED_METRICS = (
     "fleetd_upstream_reconnects_total",
     "fleetd_upstream_frames_rejected_total",
     "fleetd_dynamodb_requests_total",
-    "fleetd_event_loop_lag_seconds",
+    "fleetd_event_loop_lag_seconds_bucket",
     "fleetd_shard_restarts_total",
 )
 
@@ -223,6 +223,7 @@ def test_dashboard_shows_every_required_metric_and_only_exported_ones() -> None:
     joined = "\n".join(exprs)
     for quantile in ("0.5", "0.99"):
         assert f"histogram_quantile({quantile}, sum by (le) (rate(fleetd_sink_batch_seconds_bucket" in joined
+    assert "histogram_quantile(0.99, sum by (le, instance, shard) (rate(fleetd_event_loop_lag_seconds_bucket" in joined
     for by in ("(result)", "(reason)", "(op, outcome)", "(instance, shard)", "(instance)"):
         assert f"by {by}" in joined, f"no panel aggregates by {by}"
 
@@ -253,6 +254,32 @@ def test_substitute_replaces_grafana_variables() -> None:
 def test_promtool_accepts_the_example_config() -> None:
     promtool_check_config(PROM_CONFIG)  # also checks the rule files it names
     res = subprocess.run([tool("promtool"), "check", "rules", str(ALERTS)], capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def lag_series(shard: str, per_minute: dict[str, int]) -> list[dict[str, str]]:
+    """promtool input series: a shard's lag buckets, growing by ``per_minute[le]`` samples a minute."""
+    return [{"series": f'fleetd_event_loop_lag_seconds_bucket{{instance="t", shard="{shard}", le="{le}"}}',
+             "values": f"0+{n}x30"} for le, n in per_minute.items()]
+
+
+def test_event_loop_lag_alert_fires_when_over_1_percent_of_samples_are_100_ms_late(tmp_path: Path) -> None:
+    """240 samples a minute (the probe's 0.25 s): 5 % late on shard 0 fires after 10 min, 0.4 % on shard 1 never."""
+    slow = lag_series("0", {"0.1": 228, "0.25": 240, "+Inf": 240})
+    fine = lag_series("1", {"0.1": 239, "0.25": 240, "+Inf": 240})
+    rule = next(r for g in yaml.safe_load(ALERTS.read_text(encoding="utf-8"))["groups"] for r in g["rules"]
+                if r["alert"] == "FleetdEventLoopLag")
+    fired = {"exp_labels": {"severity": "warn", "instance": "t", "shard": "0"},
+             "exp_annotations": {"summary": "shard 0 of t: event-loop lag p99 220ms",  # 0.1 + 0.15 × 9.6/12
+                                 "description": rule["annotations"]["description"]}}
+    doc = {"rule_files": [str(ALERTS)], "evaluation_interval": "1m",
+           "tests": [{"interval": "1m", "input_series": slow + fine, "alert_rule_test": [
+               {"eval_time": "10m", "alertname": "FleetdEventLoopLag", "exp_alerts": []},  # pending: `for: 10m`
+               {"eval_time": "20m", "alertname": "FleetdEventLoopLag", "exp_alerts": [fired]}]}]}
+    path = tmp_path / "lag_test.yml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
+    res = subprocess.run([tool("promtool"), "test", "rules", str(path)], capture_output=True, text=True,
                          timeout=60, check=False)
     assert res.returncode == 0, res.stdout + res.stderr
 

@@ -8,6 +8,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetd.metrics import (
@@ -18,7 +19,7 @@ from fleetd.metrics import (
     MetricsServer,
     exposition,
 )
-from fleetd.stats import LATENCY_BUCKETS, Stats
+from fleetd.stats import LAG_BUCKETS, LATENCY_BUCKETS, Stats
 
 
 class FakeClock:
@@ -30,8 +31,12 @@ class FakeClock:
 
 
 def snapshot(active: int = 0, claims: float = 0, messages: int = 0, live: float = 1.0,
-             batches: tuple[float, ...] = (), session: str = "s", stalled: float = 0.0) -> dict[str, Any]:
+             batches: tuple[float, ...] = (), session: str = "s", stalled: float = 0.0,
+             lags: tuple[float, ...] = ()) -> dict[str, Any]:
     stats = Stats()
+    lag = stats.histogram("event_loop_lag_seconds", LAG_BUCKETS)  # as the shard's probe does
+    for seconds in lags:
+        lag.observe(seconds)
     stats.set("active_connections", active)
     stats.set("session_live", live)
     stats.set("sink_stalled_streams", stalled)
@@ -134,6 +139,50 @@ def test_histogram_exposition_is_cumulative_and_valid() -> None:
     assert le["0.001"] == 1 and le["0.005"] == 3 and le["0.25"] == 4 and le["10.0"] == 4
     assert value(c, "fleetd_sink_batch_seconds_count", shard="0") == 5
     assert abs((value(c, "fleetd_sink_batch_seconds_sum", shard="0") or 0) - 99.2065) < 1e-9
+
+
+def lag_buckets(c: FleetCollector, shard: str) -> dict[str, float]:
+    fam = next(f for f in text_string_to_metric_families(exposition(c).decode())
+               if f.name == "fleetd_event_loop_lag_seconds")
+    assert fam.type == "histogram"
+    return {s.labels["le"]: s.value for s in fam.samples if s.name.endswith("_bucket") and s.labels["shard"] == shard}
+
+
+def test_event_loop_lag_is_a_histogram_of_its_own_buckets_from_the_first_scrape() -> None:
+    c = two_shards()
+    le = [repr(b) for b in LAG_BUCKETS] + ["+Inf"]
+    assert list(lag_buckets(c, "0")) == le  # before any report: every bucket, at 0
+    assert set(lag_buckets(c, "0").values()) == {0.0}
+    c.update(0, snapshot(lags=(0.0, 0.001, 0.015, 0.15, 3.0)))
+    got = lag_buckets(c, "0")
+    assert list(got) == le
+    assert got["0.001"] == 2 and got["0.02"] == 3 and got["0.1"] == 3 and got["0.25"] == 4 and got["2.5"] == 4
+    assert got["+Inf"] == value(c, "fleetd_event_loop_lag_seconds_count", shard="0") == 5
+    assert abs((value(c, "fleetd_event_loop_lag_seconds_sum", shard="0") or 0) - 3.166) < 1e-9
+
+
+def test_event_loop_lag_buckets_never_decrease_across_restart() -> None:
+    c = two_shards()
+    c.update(1, snapshot(lags=(0.001, 0.3, 0.3)))
+    before = lag_buckets(c, "1")
+    c.shard_exited(1)
+    assert lag_buckets(c, "1") == before  # a dead shard's lag stays counted
+    c.shard_started(1, pid=102, restart=True)
+    c.update(1, snapshot())  # the new incarnation reports its own, empty, histogram
+    assert lag_buckets(c, "1") == before
+    c.update(1, snapshot(lags=(0.001,)))
+    after = lag_buckets(c, "1")
+    assert all(after[le] >= n for le, n in before.items())
+    assert after["0.001"] == 2 and after["+Inf"] == 4
+    assert value(c, "fleetd_event_loop_lag_seconds_count", shard="1") == 4
+
+
+def test_one_histogram_name_has_one_bucket_layout() -> None:
+    stats = Stats()
+    lag = stats.histogram("event_loop_lag_seconds", LAG_BUCKETS)
+    assert stats.histogram("event_loop_lag_seconds", LAG_BUCKETS) is lag
+    with pytest.raises(ValueError, match="buckets"):
+        stats.observe("event_loop_lag_seconds", 0.5)  # observe() means LATENCY_BUCKETS
 
 
 def test_unknown_stats_are_exported_with_prefix_and_labels() -> None:

@@ -26,6 +26,7 @@ from typing import Any
 import boto3
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from fleetd import config, exits
 from fleetd.burial import announce_dead
@@ -318,6 +319,61 @@ def test_a_shard_held_back_by_its_backoff_leaves_its_streams_to_a_peer_at_once(
         run.stop()
         if peer is not None:
             fleet.stop_all(peer)
+
+
+LagBuckets = dict[tuple[str, str], float]  # (shard, le) → cumulative count
+
+
+def lag_buckets(run: Run) -> LagBuckets:
+    """The lag histogram's buckets from one scrape, checked: cumulative, +Inf equal to _count, _sum ≥ 0."""
+    with urllib.request.urlopen(run.url + "/metrics", timeout=5) as resp:
+        families = {f.name: f for f in text_string_to_metric_families(resp.read().decode())}
+    fam = families["fleetd_event_loop_lag_seconds"]
+    assert fam.type == "histogram"
+    buckets: dict[str, list[tuple[str, float]]] = {}
+    totals: dict[tuple[str, str], float] = {}
+    for sample in fam.samples:
+        shard = sample.labels["shard"]
+        if sample.name.endswith("_bucket"):
+            buckets.setdefault(shard, []).append((sample.labels["le"], sample.value))
+        else:
+            totals[(shard, sample.name.rsplit("_", 1)[1])] = sample.value
+    out: LagBuckets = {}
+    for shard, series in buckets.items():
+        counts = [n for _, n in series]
+        assert counts == sorted(counts), f"shard {shard}: buckets not cumulative: {series}"
+        assert series[-1] == ("+Inf", totals[(shard, "count")]) and totals[(shard, "sum")] >= 0
+        out |= {(shard, le): n for le, n in series}
+    return out
+
+
+def test_event_loop_lag_histogram_grows_and_never_goes_backwards_across_a_shard_kill(
+        cfg: Config, tmp_path: Path) -> None:
+    """Each shard's probe adds about 4 samples a second to its series; a SIGKILLed shard's samples stay
+    counted and its successor's add to them: no bucket of any scrape is below the previous scrape's."""
+    run = Run(cfg, tmp_path / "run.log", "--shards", "2")
+    seen: list[LagBuckets] = []
+
+    def scrape_until(done: Callable[[LagBuckets], bool]) -> bool:
+        seen.append(lag_buckets(run))
+        if len(seen) > 1:
+            went_back = {k: (seen[-2][k], n) for k, n in seen[-1].items() if n < seen[-2].get(k, 0.0)}
+            assert not went_back, f"lag buckets went backwards: {went_back}"
+        return done(seen[-1])
+
+    try:
+        wait_for("lag samples from both shards", lambda: scrape_until(
+            lambda b: b[("0", "+Inf")] >= 8 and b[("1", "+Inf")] >= 8), 30, 0.25)
+        pid = run.shard_pids()[1]
+        before = seen[-1][("1", "+Inf")]
+        os.kill(pid, signal.SIGKILL)
+        wait_for("shard 1 restarted", lambda: scrape_until(lambda b: pid not in run.shard_pids().values()), 15, 0.1)
+        wait_for("the successor's samples", lambda: scrape_until(lambda b: b[("1", "+Inf")] >= before + 8), 30, 0.25)
+        assert run.value("fleetd_shard_restarts_total", shard="1") == 1
+        first, last = seen[0], seen[-1]
+        assert set(last) == set(first) and len({le for _, le in last}) == 12  # 11 bounds and +Inf, per shard
+    finally:
+        run.stop()
 
 
 _DANGLING_POLL = """

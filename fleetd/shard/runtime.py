@@ -37,6 +37,7 @@ from fleetd.shard.desired import DesiredState
 from fleetd.shard.holdings import Holdings
 from fleetd.shard.inbox import Inbox
 from fleetd.shard.itemleases import ItemLeases
+from fleetd.shard.looplag import LagProbe
 from fleetd.shard.orphans import OrphanSweeper
 from fleetd.shard.rebalance import Rebalancer
 from fleetd.shard.reconcile import Reconciler
@@ -48,7 +49,7 @@ from fleetd.upstream import Connector
 
 log = logging.getLogger(__name__)
 Reporter = Callable[[dict[str, Any]], None]
-REPORT_S = 1.0  # the report loop's period (and the event-loop lag probe's)
+REPORT_S = 1.0  # the report loop's period
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,12 +81,13 @@ class Components:
     checkpointer: Checkpointer
     items: ItemLeases
     orphans: OrphanSweeper
+    lag: LagProbe
 
     def loops(self) -> list[tuple[str, Callable[[], Coroutine[Any, Any, None]]]]:
         return [("session", self.session.run), ("item_leases", self.items.run), ("reconcile", self.reconciler.run),
                 ("hints", self.inbox.run), ("desired_state", self.desired.run),
                 ("checkpoint", self.checkpointer.run), ("orphan_sweep", self.orphans.run),
-                ("rebalance", self.rebalancer.run)]
+                ("rebalance", self.rebalancer.run), ("loop_lag", self.lag.run)]
 
 
 def assemble(cfg: Config, clock: Clock, stats: Stats, clients: Clients, stopping: asyncio.Event,
@@ -114,7 +116,7 @@ def assemble(cfg: Config, clock: Clock, stats: Stats, clients: Clients, stopping
     return Components(ctx, session, holdings, claimer, reconciler, rebalancer,
                       Inbox(ctx, holdings, claimer, reconciler, recheck=desired.check), desired,
                       Checkpointer(ctx, session, holdings), ItemLeases(ctx, session, holdings),
-                      OrphanSweeper(ctx, session, reconciler))
+                      OrphanSweeper(ctx, session, reconciler), LagProbe(stats, stopping))
 
 
 class Shard:
@@ -199,11 +201,8 @@ class Shard:
     # ----- reporting -------------------------------------------------------------------------------------
 
     async def _report_loop(self, parts: Components) -> None:
-        loop = asyncio.get_running_loop()
         while not self.stopping.is_set():
-            before = loop.time()
             await wait(self.stopping, REPORT_S)
-            self.stats.set("event_loop_lag_seconds", max(0.0, loop.time() - before - REPORT_S))
             self.report()
 
     def report(self) -> None:
