@@ -43,6 +43,7 @@ class Clients:
     sqs: Any
     cloudwatch: Any
     sink_dynamodb: Any  # no SDK retries: the sink retries itself and re-checks fencing before each try
+    renew_dynamodb: Any  # no SDK retries: the heartbeat is the renewal's retry policy (fresh values, no backoff)
 
 
 async def open_clients(stack: AsyncExitStack, cfg: AwsConfig, session: AioSession | None = None) -> Clients:
@@ -66,7 +67,10 @@ async def open_clients(stack: AsyncExitStack, cfg: AwsConfig, session: AioSessio
         session.create_client("dynamodb", region_name=region,
                               config=client_config(cfg, attempts=1, validate=False))
     )
-    return Clients(ddb, sqs, cw, sink)
+    renew = await stack.enter_async_context(
+        session.create_client("dynamodb", region_name=region, config=client_config(cfg, attempts=1))
+    )
+    return Clients(ddb, sqs, cw, sink, renew)
 
 
 def error_code(exc: BaseException) -> str:

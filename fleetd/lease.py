@@ -147,8 +147,11 @@ class LeaseStore:
     """
 
     def __init__(self, ddb: Any, aws: AwsConfig, lease: LeaseConfig, clock: Clock,
-                 on_request: RequestHook = _no_hook) -> None:
+                 on_request: RequestHook = _no_hook, renew_ddb: Any = None) -> None:
         self.ddb = ddb
+        # Session renewals go through a client without SDK retries when one is given: the heartbeat
+        # retries them itself, sooner than an SDK backoff would and with a fresh expiry each time.
+        self.renew_ddb = renew_ddb if renew_ddb is not None else ddb
         self.conns = aws.connections_table
         self.sessions = aws.sessions_table
         self.lease = lease
@@ -161,9 +164,10 @@ class LeaseStore:
         # is found only through `by_owner` of a session still listed in `by_expiry`.
         self.dead_grace_ms = int(lease.dead_session_grace_s * 1000)
 
-    async def _call(self, op: str, **kwargs: Any) -> dict[str, Any]:
-        """One DynamoDB request, reported to the hook; exceptions propagate."""
-        method = getattr(self.ddb, _SNAKE[op])
+    async def _call(self, op: str, client: Any = None, **kwargs: Any) -> dict[str, Any]:
+        """One DynamoDB request (through ``client``, default the store's), reported to the hook; exceptions
+        propagate."""
+        method = getattr(client if client is not None else self.ddb, _SNAKE[op])
         try:
             resp: dict[str, Any] = await method(**kwargs)
         except Exception as e:
@@ -172,9 +176,9 @@ class LeaseStore:
         self.on_request(op, Outcome.WON)
         return resp
 
-    async def _write(self, op: str, **kwargs: Any) -> tuple[Outcome, dict[str, Any]]:
+    async def _write(self, op: str, client: Any = None, **kwargs: Any) -> tuple[Outcome, dict[str, Any]]:
         try:
-            return Outcome.WON, await self._call(op, **kwargs)
+            return Outcome.WON, await self._call(op, client, **kwargs)
         except Exception as e:
             return classify(e), {"error": e}
 
@@ -416,6 +420,7 @@ class LeaseStore:
         expires = now + self.ttl_ms
         outcome, resp = await self._write(
             "UpdateItem",
+            self.renew_ddb,
             TableName=self.sessions,
             Key={"session_id": _s(session_id)},
             UpdateExpression="SET expires_at_ms = :exp, held = :held, draining = :dr, #ttl = :ttl",

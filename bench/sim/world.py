@@ -296,7 +296,8 @@ class World:
         cw = CloudWatchClient(self.net, proc.loop, proc.name, "cloudwatch", aw.aws_timeout_s, aw.aws_max_attempts,
                               rng("cw"))
         sink = DynamoClient(self.net, proc.loop, proc.name, "dynamodb", aw.aws_timeout_s, 1, rng("sink"))
-        return Clients(ddb, sqs, cw, sink)
+        renew = DynamoClient(self.net, proc.loop, proc.name, "dynamodb", aw.aws_timeout_s, 1, rng("renew"))
+        return Clients(ddb, sqs, cw, sink, renew)
 
     # ----- setup ---------------------------------------------------------------------------------------
 

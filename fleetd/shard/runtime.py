@@ -99,7 +99,7 @@ def assemble(cfg: Config, clock: Clock, stats: Stats, clients: Clients, stopping
     def count_request(op: str, outcome: Outcome) -> None:
         stats.inc("dynamodb_requests_total", op=op, outcome=outcome.value)
 
-    leases = LeaseStore(clients.dynamodb, cfg.aws, cfg.lease, clock, count_request)
+    leases = LeaseStore(clients.dynamodb, cfg.aws, cfg.lease, clock, count_request, clients.renew_dynamodb)
     sink = Sink(cfg, "", stats, clock, on_pressure=lambda high: holdings.on_pressure(high),
                 may_write=lambda cur: holdings.may_write(cur))
     hints = Hints(clients.sqs, cfg.aws.hints_queue, cfg.aws.hint_wait_s, stats)

@@ -174,7 +174,8 @@ class SessionKeeper:
         """Renew every ``heartbeat_s`` counted from each send, so a slow answer does not stretch the
         period; a renewal still unanswered one heartbeat after its send does not hold the next back
         (at most ``RENEWALS_IN_FLIGHT`` at once), so a hung request costs a heartbeat, not a read
-        timeout.  After a failure the next goes sooner.  Renewals may land out of order: the store
+        timeout.  After a failure the next goes after a sixth of a heartbeat (renewals have no SDK retries:
+        this loop is their retry policy).  Renewals may land out of order: the store
         never lets the expiry move back, and each answer extends the deadline from its own send."""
         pending: set[asyncio.Task[bool]] = set()
         delay = self.ctx.cfg.lease.heartbeat_s
@@ -188,7 +189,7 @@ class SessionKeeper:
     async def _beat(self, pending: set[asyncio.Task[bool]]) -> float:
         """One heartbeat; returns the wait until the next."""
         beat = self.ctx.cfg.lease.heartbeat_s
-        retry = min(1.0, beat / 4)
+        retry = min(1.0, beat / 6)  # ~10 tries left in a default fence window after a missed beat
         if self.state.abandoned:
             return beat  # a replacement is under way
         if len(pending) >= RENEWALS_IN_FLIGHT:
