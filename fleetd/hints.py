@@ -13,6 +13,11 @@ times fewer SQS calls and messages, and a peer's receive returns a hundred hints
 crashed shard's successor will not boot at once (crash-loop backoff, a halt, a
 stop): a peer that receives it runs its reconcile now, which takes over the
 session the supervisor has just expired, instead of at its next ``reconcile_s``.
+
+``{"type": "OFFER", "session_id": SID, "offers": [[ID, EPOCH, LAST_SEQ], …]}`` is what a stopping
+shard sends for streams it has closed and flushed: a peer with room takes each with one write
+conditioned on that owner and epoch, resuming after ``LAST_SEQ`` (-1: none known), so a hand-over
+costs one write instead of a release and a claim (see ``fleetd.shard.handoff``).
 """
 
 from __future__ import annotations
@@ -43,16 +48,32 @@ VISIBILITY_S = 3
 
 
 @dataclass(frozen=True, slots=True)
+class Offer:
+    """A stream a stopping session closed and flushed, offered to whichever peer takes it first."""
+
+    connection_id: str
+    epoch: int
+    last_seq: int  # -1: the stream has no resume point
+
+
+@dataclass(frozen=True, slots=True)
 class Hint:
     """One received message: the connections it names and its receipt (acked or given back as one)."""
 
     connection_ids: tuple[str, ...]
     receipt: str
     dead_session: str = ""  # a DEAD_SESSION message (it names no connection)
+    offered_by: str = ""  # an OFFER message: the stopping session, and what it offers
+    offers: tuple[Offer, ...] = ()
 
 
 def dead_session_body(session_id: str) -> str:
     return orjson.dumps({"type": "DEAD_SESSION", "session_id": session_id}).decode()
+
+
+def offer_body(session_id: str, offers: Sequence[Offer]) -> str:
+    return orjson.dumps({"type": "OFFER", "session_id": session_id,
+                         "offers": [[o.connection_id, o.epoch, o.last_seq] for o in offers]}).decode()
 
 
 def start_body(connection_ids: Sequence[str]) -> str:
@@ -89,15 +110,15 @@ class Hints:
                                               WaitTimeSeconds=self.wait_s, VisibilityTimeout=VISIBILITY_S)
         hints: list[Hint] = []
         for msg in resp.get("Messages", []):
-            parsed = _parse(msg.get("Body", ""))
-            if parsed is None:
+            hint = _parse(msg.get("Body", ""), msg["ReceiptHandle"])
+            if hint is None:
                 self.stats.inc("hints_total", kind="malformed")
                 log.warning("malformed hint dropped", extra={"body": str(msg.get("Body", ""))[:200]})
                 await self.ack([msg["ReceiptHandle"]])
                 continue
-            ids, dead = parsed
-            self.stats.inc("hints_total", float(len(ids) or 1), kind="dead_session" if dead else "received")
-            hints.append(Hint(ids, msg["ReceiptHandle"], dead))
+            kind = "dead_session" if hint.dead_session else "offered" if hint.offered_by else "received"
+            self.stats.inc("hints_total", float(len(hint.connection_ids) or 1), kind=kind)
+            hints.append(hint)
         return hints
 
     async def ack(self, receipts: Iterable[str]) -> None:
@@ -117,6 +138,10 @@ class Hints:
         """Send START hints, ``IDS_PER_MESSAGE`` ids a message, ten messages a call, several calls
         in flight; returns how many ids were accepted (failures are logged and counted)."""
         messages = [(start_body(ids), len(ids)) for ids in _chunks(list(connection_ids), IDS_PER_MESSAGE)]
+        return await self._send(messages, "START")
+
+    async def _send(self, messages: list[tuple[str, int]], kind: str) -> int:
+        """Send (body, how many it names) messages, ten a call, several calls in flight."""
         sem = asyncio.Semaphore(SEND_CONCURRENCY)
 
         async def one(chunk: list[tuple[str, int]]) -> int:
@@ -126,7 +151,7 @@ class Hints:
                 try:
                     resp = await self.sqs.send_message_batch(QueueUrl=await self._queue_url(), Entries=entries)
                 except Exception as e:
-                    log.warning("sending START hints failed", extra={"count": sum(sizes), "code": error_code(e)})
+                    log.warning(f"sending {kind} hints failed", extra={"count": sum(sizes), "code": error_code(e)})
                     self.stats.inc("hints_total", float(sum(sizes)), kind="send_failed")
                     return 0
             ok = sum(sizes[int(r["Id"])] for r in resp.get("Successful", []))
@@ -136,6 +161,11 @@ class Hints:
             return ok
 
         return sum(await asyncio.gather(*(one(c) for c in _chunks(messages))))
+
+    async def send_offers(self, session_id: str, offers: Sequence[Offer]) -> int:
+        """Offer these streams to peers, ``IDS_PER_MESSAGE`` a message; returns how many were accepted."""
+        bodies = [(offer_body(session_id, part), len(part)) for part in _chunks(list(offers), IDS_PER_MESSAGE)]
+        return await self._send(bodies, "OFFER")
 
     async def send_dead_session(self, session_id: str, copies: int) -> None:
         """Tell up to ``copies`` peers (each message wakes the one that receives it) that
@@ -200,22 +230,39 @@ def _chunks(items: list[T], size: int = SEND_BATCH_MAX) -> Iterator[list[T]]:
         yield items[i:i + size]
 
 
-def _parse(body: str) -> tuple[tuple[str, ...], str] | None:
-    """The connection ids a START body names (and no dead session), or the session a DEAD_SESSION
-    body names (and no ids); None when it is neither, well formed."""
+def _parse(body: str, receipt: str) -> Hint | None:
+    """The hint a START, DEAD_SESSION or OFFER body makes; None when it is none of them, well formed."""
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError:
         return None
     if not isinstance(obj, dict):
         return None
-    if obj.get("type") == "DEAD_SESSION":
-        sid = obj.get("session_id")
-        return ((), sid) if isinstance(sid, str) and sid else None
-    if obj.get("type") != "START":
+    kind, sid = obj.get("type"), obj.get("session_id")
+    if kind == "DEAD_SESSION":
+        return Hint((), receipt, dead_session=sid) if isinstance(sid, str) and sid else None
+    if kind == "OFFER":
+        offers = _offers(obj.get("offers"))
+        if not offers or not isinstance(sid, str) or not sid:
+            return None
+        return Hint(tuple(o.connection_id for o in offers), receipt, offered_by=sid, offers=offers)
+    if kind != "START":
         return None
     single, many = obj.get("connection_id"), obj.get("connection_ids")
     ids = [single] if many is None else many
     if not isinstance(ids, list) or not ids or not all(isinstance(c, str) and c for c in ids):
         return None
-    return tuple(ids), ""
+    return Hint(tuple(ids), receipt)
+
+
+def _offers(raw: Any) -> tuple[Offer, ...]:
+    """[[id, epoch, last_seq], …] as offers; () when any entry is malformed."""
+    if not isinstance(raw, list):
+        return ()
+    out = []
+    for entry in raw:
+        if (not isinstance(entry, list) or len(entry) != 3 or not isinstance(entry[0], str) or not entry[0]
+                or not all(type(v) is int for v in entry[1:]) or entry[1] < 1 or entry[2] < -1):
+            return ()
+        out.append(Offer(entry[0], entry[1], entry[2]))
+    return tuple(out)

@@ -220,6 +220,29 @@ class LeaseStore:
         # The SDK retried (or gave up): our first attempt may have succeeded with its answer lost.
         return await self._check_claim(connection_id, me, outcome, resp, sent_at)
 
+    async def take(self, connection_id: str, me: str, offered_by: str, epoch: int, last_seq: int) -> ClaimResult:
+        """Take a stream a stopping session offered (it closed and flushed it; see ``mark_offering``): one
+        write, conditioned on that owner and epoch, recording the offer's ``last_seq`` (none for -1)."""
+        sent_at = self.clock.monotonic()
+        now = self.clock.now_ms()
+        values = {":started": _s(STARTED), ":from": _s(offered_by), ":epoch": _n(epoch), ":me": _s(me),
+                  ":exp": _n(self._claim_expiry()), ":one": _n(1), ":now": _n(now)}
+        outcome, resp = await self._write(
+            "UpdateItem",
+            TableName=self.conns,
+            Key={"connection_id": _s(connection_id)},
+            UpdateExpression=f"SET lease_owner = :me, lease_expires_at_ms = :exp, {_set_seq(values, last_seq)}"
+                             "updated_at_ms = :now ADD lease_epoch :one",
+            ConditionExpression="desired_state = :started AND lease_owner = :from AND lease_epoch = :epoch",
+            ExpressionAttributeValues=values,
+            ReturnValues="ALL_NEW",
+        )
+        if outcome is Outcome.WON:
+            return self._claimed(resp["Attributes"], sent_at)
+        if outcome is Outcome.LOST and not _was_retried(resp):
+            return ClaimResult(Outcome.LOST, sent_at=sent_at)
+        return await self._check_claim(connection_id, me, outcome, resp, sent_at)
+
     def _claimed(self, attrs: dict[str, Any], sent_at: float) -> ClaimResult:
         try:
             return ClaimResult(Outcome.WON, ConnItem.parse(attrs), sent_at=sent_at)
@@ -671,6 +694,32 @@ class LeaseStore:
             ExpressionAttributeValues=values,
         )
         return outcome
+
+    async def mark_offering(self, session_id: str) -> Outcome:
+        """Say, on our own live session, that every stream it held is closed and flushed: from now its
+        offers may be taken.  Peers check this mark before taking an offer, so a hint alone (a stale
+        or forged one) can never take a stream its owner still streams."""
+        outcome, _ = await self._write(
+            "UpdateItem",
+            TableName=self.sessions,
+            Key={"session_id": _s(session_id)},
+            UpdateExpression="SET offering_at_ms = :now",
+            ConditionExpression="attribute_not_exists(dead_at_ms) AND expires_at_ms >= :now",
+            ExpressionAttributeValues={":now": _n(self.clock.now_ms())},
+        )
+        return outcome
+
+    async def offers_open(self, session_id: str) -> bool:
+        """Whether a session's offers may be taken (consistent read): it wrote its offering mark, or it is
+        dead (a dead session streams nothing).  Unreadable or missing: no."""
+        try:
+            resp = await self._call("GetItem", TableName=self.sessions, ConsistentRead=True,
+                                    Key={"session_id": _s(session_id)},
+                                    ProjectionExpression="offering_at_ms, dead_at_ms")
+        except Exception:
+            return False
+        item = resp.get("Item") or {}
+        return "offering_at_ms" in item or "dead_at_ms" in item
 
     async def mark_draining(self, session_id: str) -> Outcome:
         """Tell rebalancing peers not to hand us streams: we are shutting down."""

@@ -11,22 +11,39 @@ import pytest
 
 from fleetd.aws import Clients
 from fleetd.config import Config
-from fleetd.hints import IDS_PER_MESSAGE, Hints, HintStream, _parse, dead_session_body, start_body
+from fleetd.hints import (
+    IDS_PER_MESSAGE,
+    Hint,
+    Hints,
+    HintStream,
+    Offer,
+    _parse,
+    dead_session_body,
+    offer_body,
+    start_body,
+)
 from fleetd.stats import Stats
 from tests.helpers import arun, clients
 
 
-def test_parse_accepts_the_three_formats_and_rejects_the_rest() -> None:
-    assert _parse(start_body(["a"])) == (("a",), "")
+def test_parse_accepts_the_four_formats_and_rejects_the_rest() -> None:
+    assert _parse(start_body(["a"]), "r") == Hint(("a",), "r")
     assert orjson.loads(start_body(["a"])) == {"type": "START", "connection_id": "a"}  # SPEC §2 for one id
-    assert _parse(start_body(["a", "b"])) == (("a", "b"), "")
-    assert _parse(dead_session_body("t/0/s")) == ((), "t/0/s")
+    assert _parse(start_body(["a", "b"]), "r") == Hint(("a", "b"), "r")
+    assert _parse(dead_session_body("t/0/s"), "r") == Hint((), "r", dead_session="t/0/s")
+    offers = (Offer("a", 3, 41), Offer("b", 1, -1))
+    assert _parse(offer_body("t/0/s", offers), "r") == Hint(("a", "b"), "r", offered_by="t/0/s", offers=offers)
     for bad in ('{"type": "START", "connection_ids": []}', '{"type": "START", "connection_ids": ["a", 3]}',
                 '{"type": "START", "connection_ids": "a"}', '{"type": "START", "connection_id": ""}',
                 '{"type": "STOP", "connection_id": "a"}', '["START"]', "not json", "",
                 '{"type": "DEAD_SESSION"}', '{"type": "DEAD_SESSION", "session_id": ""}',
-                '{"type": "DEAD_SESSION", "session_id": 7}'):
-        assert _parse(bad) is None, bad
+                '{"type": "DEAD_SESSION", "session_id": 7}', '{"type": "OFFER", "session_id": "s", "offers": []}',
+                '{"type": "OFFER", "offers": [["a", 1, 0]]}',
+                '{"type": "OFFER", "session_id": "s", "offers": [["a", 0, 0]]}',
+                '{"type": "OFFER", "session_id": "s", "offers": [["a", 1, -2]]}',
+                '{"type": "OFFER", "session_id": "s", "offers": [["a", true, 0]]}',
+                '{"type": "OFFER", "session_id": "s", "offers": [["a", 1]]}'):
+        assert _parse(bad, "r") is None, bad
 
 
 async def _drain(hints: Hints) -> list[tuple[str, ...]]:

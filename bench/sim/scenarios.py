@@ -495,6 +495,63 @@ def _rewound_renewal_setup(w: World) -> None:
                and r.sent_at < st["a"] + REWIND_DUP_S + 6.0, "throttle", times=1000)
 
 
+def _term_handoff(p: Params) -> None:
+    quiet(p)
+    session_mode(p, tasks=2, spt=1)
+    fast(p, lease_mode="session", rebalance_s=0.0, max_connections_per_shard=700)
+    p.conns = max(p.conns, 8)
+    p.index_lag_ms = (0, 200)
+    p.faults_until = max(p.faults_until, 16.0)
+
+
+HANDOFF_S = 1.0
+"""A stream of a SIGTERMed shard is streamed again by a peer within this (SPEC §9, round 2: SIGTERM ≤ 1 s)."""
+
+
+def _term_handoff_setup(w: World) -> None:
+    """At START+6 s the shard holding the most streams is SIGTERMed (replaced only 60 s later).  Its
+    streams must be streamed by the peer within ``HANDOFF_S`` (``handoff_slow``) and change hands with
+    at most one successful write each on the connections table (``handoff_writes``): an offer taken,
+    not a release and a claim."""
+    conns = w.cfg.aws.connections_table
+    st: dict[str, object] = {"at": 0.0, "cids": []}
+    writes: dict[str, int] = {}
+
+    def applied(req: Request, resp: object) -> None:
+        at = float(st["at"])  # type: ignore[arg-type]
+        if (at and req.op == "UpdateItem" and req.table == conns and not isinstance(resp, Exception)
+                and "lease_owner" in _expr(req) and _cid(req) in st["cids"]):  # type: ignore[operator]
+            writes[_cid(req)] = writes.get(_cid(req), 0) + 1
+
+    def term() -> None:
+        shards = w.running_shards()
+        held = {p.name: sorted(cid for cid, recs in w.checker.open.items() for r in recs if r.proc == p.name)
+                for p in shards}
+        victim = max(shards, key=lambda p: (len(held[p.name]), p.name))
+        st["at"], st["cids"] = w.vt.now, held[victim.name]
+        w.say(f"scenario: SIGTERM {victim.name} holding {held[victim.name]}")
+        w.term(victim, replace_after=60.0)
+        w.sched.at(w.vt.now + HANDOFF_S, judge)
+        w.sched.at(w.vt.now + 10.0, count)
+
+    def judge() -> None:
+        cids = list(st["cids"])  # type: ignore[call-overload]
+        running = {p.name for p in w.running_shards()}
+        slow = [cid for cid in cids if not any(r.proc in running for r in w.checker.open.get(cid, []))]
+        if slow:
+            w.checker.fail("handoff_slow", f"{len(slow)} of {len(cids)} streams of the SIGTERMed shard not "
+                                           f"streamed {HANDOFF_S} s later: {slow}")
+
+    def count() -> None:
+        many = {cid: n for cid, n in writes.items() if n > 1}
+        if many:
+            w.checker.fail("handoff_writes", f"streams written more than once on the connections table while "
+                                             f"handed over: {many}")
+
+    w.net.on_apply.append(applied)
+    w.sched.at(START + 6.0, term)
+
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("calm", "no request faults and no lifecycle events", calm),
     Scenario("unsafe_skew", "one shard's clock far beyond safety_margin_s (SPEC: voids the guarantee)", _unsafe_skew),
@@ -515,6 +572,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("lost_claim", "defect 3: a claim's SDK retry lands after the session died", _lost_claim,
              _lost_claim_setup),
     Scenario("pause", "a shard paused for 2 x TTL, then resumed", _pause, _pause_setup),
+    Scenario("term_handoff", "SIGTERM: streams taken by a peer within 1 s, one write each",
+             _term_handoff, _term_handoff_setup),
     Scenario("rewound_renewal", "a renewal applied again after later ones would set the expiry back",
              _rewound_renewal, _rewound_renewal_setup),
 )}

@@ -675,4 +675,5 @@ class _TraceHandler(logging.Handler):
 
 
 _EXTRA_KEYS = frozenset({"connection_id", "session_id", "reason", "held", "error", "outcome", "dead_session", "to",
-                         "moved", "released", "count", "signal", "step"})
+                         "moved", "released", "count", "signal", "step", "phase", "offered", "taken",
+                         "offered_by"})

@@ -9,9 +9,10 @@ and hinted, so it is never left to an abandoned session.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from fleetd.aws import Outcome
+from fleetd.hints import Offer
 from fleetd.lease import ClaimResult
 from fleetd.shard.context import Context
 from fleetd.shard.freeing import disown
@@ -39,12 +40,21 @@ class Claimer:
     async def claim(self, cid: str, dead_owner: str | None = None, source: str = "reconcile") -> Outcome | None:
         """Try to take one stream and start streaming it.  None: did not try (held, being claimed,
         skipped, no room, or no live session); LOST: the condition failed, or the win came too late."""
+        return await self._claim(cid, source, lambda me: self.ctx.leases.claim(cid, me, dead_owner))
+
+    async def take(self, offer: Offer, offered_by: str) -> Outcome | None:
+        """Take a stream a stopping peer offered (the caller checked its offers are open), as ``claim``."""
+        cid = offer.connection_id
+        return await self._claim(
+            cid, "offer", lambda me: self.ctx.leases.take(cid, me, offered_by, offer.epoch, offer.last_seq))
+
+    async def _claim(self, cid: str, source: str, write: Callable[[str], Awaitable[ClaimResult]]) -> Outcome | None:
         if (self.holdings.busy(cid) or self.skipped(cid) or self.holdings.free_capacity() <= 0
                 or not self.session.may_claim()):
             return None
         generation, me = self.session.generation, self.session.session_id
         with self.holdings.claiming(cid):
-            result = await self.ctx.leases.claim(cid, me, dead_owner)
+            result = await write(me)
         self.ctx.stats.inc("lease_claims_total", result=result.outcome.value)
         if result.outcome is Outcome.RETRYABLE:
             self.suspect_strays()  # the claim may still land, owned by us and held by nobody
@@ -56,7 +66,7 @@ class Claimer:
             self.ctx.stats.inc("lease_claims_orphaned_total")
             await self._disown_late(cid, me, result)
             return Outcome.LOST
-        self.ctx.stats.inc(f"{source}_claims_total")  # reconcile, hint or handed
+        self.ctx.stats.inc(f"{source}_claims_total")  # reconcile, hint, handed or offer
         self.holdings.adopt(cid, result)
         return Outcome.WON
 

@@ -1,4 +1,5 @@
-"""Hint intake: START hints (claim these now) and DEAD_SESSION hints (take this session over now).
+"""Hint intake: START hints (claim these now), OFFER hints (take these from a stopping peer now) and
+DEAD_SESSION hints (take this session over now).
 
 Rules: a hint only speeds work up — the claim or the consistent read decides — so a hint we cannot
 use goes back to the queue at once (visible to peers), and a hint we use in part sends the rest on.
@@ -10,12 +11,14 @@ would then stay hidden from peers for the visibility timeout.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Container, Sequence
 from dataclasses import dataclass, field
 
 from fleetd.aio import Guard, bounded, wait
-from fleetd.hints import Hint
+from fleetd.aws import Outcome
+from fleetd.hints import Hint, Offer
 from fleetd.shard.claims import Claimer
 from fleetd.shard.context import Context
 from fleetd.shard.holdings import Holdings
@@ -32,6 +35,8 @@ class Sorted:
 
     claims: list[str] = field(default_factory=list)  # claim now
     leftover: list[str] = field(default_factory=list)  # named in a hint we took, no room: send on to peers
+    offers: list[tuple[str, Offer]] = field(default_factory=list)  # (offering session, offer): take now
+    leftover_offers: list[tuple[str, Offer]] = field(default_factory=list)  # no room: offer on to peers
     ours: list[str] = field(default_factory=list)  # held already: re-read (e.g. `ctl start` with a new URL)
     dead: list[str] = field(default_factory=list)  # dead sessions to take over by name
     taken: list[str] = field(default_factory=list)  # receipts to acknowledge
@@ -49,15 +54,24 @@ def sort_hints(hints: Sequence[Hint], held: Container[str], room: int, stopping:
             if not stopping:
                 out.dead.append(hint.dead_session)
             continue
-        out.ours += [cid for cid in hint.connection_ids if cid in held]
+        if hint.offered_by and stopping:
+            out.requeue.append(hint.receipt)  # perhaps our own offers, taken by our last poll: for peers
+            continue
+        if not hint.offered_by:
+            out.ours += [cid for cid in hint.connection_ids if cid in held]
         rest = [cid for cid in hint.connection_ids if cid not in held]
-        free = 0 if stopping else room - len(out.claims)
+        free = 0 if stopping else room - len(out.claims) - len(out.offers)
         if rest and free <= 0 and len(rest) == len(hint.connection_ids):
             out.requeue.append(hint.receipt)  # nothing in it for us: visible to peers at once
             continue
+        out.taken.append(hint.receipt)
+        if hint.offered_by:  # an offer of a stream we hold is stale: dropped
+            offers = [(hint.offered_by, o) for o in hint.offers if o.connection_id not in held]
+            out.offers += offers[:max(0, free)]
+            out.leftover_offers += offers[max(0, free):]
+            continue
         out.claims += rest[:max(0, free)]
         out.leftover += rest[max(0, free):]
-        out.taken.append(hint.receipt)
     return out
 
 
@@ -111,12 +125,15 @@ class Inbox:
         # Concurrently: a peer handing over 1,000 streams hints them a hundred at a time.
         await bounded(todo.claims, self.ctx.cfg.lease.claim_concurrency,
                       lambda cid: self.claimer.claim(cid, source="hint"))
+        await self._take_offers(todo.offers)
         if len(hints) >= BURST:
             # A full receive means a burst (a peer released its streams): the reconcile's index query
             # picks up in bulk what the hints still queued name.
             self.reconciler.wake()
         if todo.leftover:
             await hints_q.send_start(todo.leftover)
+        for sid, offers in _by_session(todo.leftover_offers).items():
+            await hints_q.send_offers(sid, offers)
         if todo.taken:
             await hints_q.ack(todo.taken)
         if todo.requeue:
@@ -124,3 +141,25 @@ class Inbox:
         if todo.ours and not self.ctx.is_stopping():
             await self.recheck(todo.ours)
         return True
+
+    async def _take_offers(self, offers: list[tuple[str, Offer]]) -> None:
+        """Take offers of sessions whose offers are open (their mark read consistently, once each): an
+        offer alone never takes a stream, since its session might still stream it."""
+        by_session = _by_session(offers)
+        for sid, mine in by_session.items():
+            if not await self.ctx.leases.offers_open(sid):
+                self.ctx.stats.inc("hints_total", float(len(mine)), kind="offer_refused")
+                log.warning("offers refused: their session has not closed its streams",
+                            extra={"offered_by": sid, "count": len(mine)})
+                continue
+            await bounded(mine, self.ctx.cfg.lease.claim_concurrency, functools.partial(self._take, sid))
+
+    async def _take(self, offered_by: str, offer: Offer) -> Outcome | None:
+        return await self.claimer.take(offer, offered_by)
+
+
+def _by_session(offers: list[tuple[str, Offer]]) -> dict[str, list[Offer]]:
+    out: dict[str, list[Offer]] = {}
+    for sid, offer in offers:
+        out.setdefault(sid, []).append(offer)
+    return out

@@ -34,6 +34,7 @@ from fleetd.shard.checkpoint import Checkpointer
 from fleetd.shard.claims import Claimer
 from fleetd.shard.context import Context
 from fleetd.shard.desired import DesiredState
+from fleetd.shard.handoff import OFFER_WAIT_S, Handoff
 from fleetd.shard.holdings import Holdings
 from fleetd.shard.inbox import Inbox
 from fleetd.shard.itemleases import ItemLeases
@@ -82,6 +83,7 @@ class Components:
     items: ItemLeases
     orphans: OrphanSweeper
     lag: LagProbe
+    handoff: Handoff
 
     def loops(self) -> list[tuple[str, Callable[[], Coroutine[Any, Any, None]]]]:
         return [("session", self.session.run), ("item_leases", self.items.run), ("reconcile", self.reconciler.run),
@@ -116,7 +118,8 @@ def assemble(cfg: Config, clock: Clock, stats: Stats, clients: Clients, stopping
     return Components(ctx, session, holdings, claimer, reconciler, rebalancer,
                       Inbox(ctx, holdings, claimer, reconciler, recheck=desired.check), desired,
                       Checkpointer(ctx, session, holdings), ItemLeases(ctx, session, holdings),
-                      OrphanSweeper(ctx, session, reconciler), LagProbe(stats, stopping))
+                      OrphanSweeper(ctx, session, reconciler), LagProbe(stats, stopping),
+                      Handoff(ctx, session, holdings))
 
 
 class Shard:
@@ -231,9 +234,11 @@ class Phase:
 class Shutdown:
     """The shutdown as a table of named, bounded phases, each logged with its duration.
 
-    Peers are told we are draining alongside the releases (a mark that costs them nothing); the
-    releases are bounded by the budget and by our fence deadline; whatever is left is fenced, and
-    our session ends (expired now) so that peers take over at once what we could not release."""
+    Peers are told we are draining alongside (a mark that costs them nothing); the held streams are
+    offered to peers with room (one write each when taken, ``fleetd.shard.handoff``); what they did not
+    take is released with hints, bounded by the budget and by our fence deadline; whatever is left is
+    fenced, and our session ends (expired now) so that peers take over at once what we could not
+    release."""
 
     def __init__(self, parts: Components, budget_s: float) -> None:
         self.parts = parts
@@ -246,7 +251,9 @@ class Shutdown:
         log.info("shutting down", extra={"held": len(p.holdings)})
         draining = asyncio.ensure_future(self._phase(Phase("draining_mark", p.session.mark_draining, 1.0, quiet=True)))
         deadline = min(p.session.deadline, p.items.next_deadline())
-        release_s = max(0.5, min(self.budget_s - 2.0, deadline - started))
+        await self._phase(Phase("hand_over", p.handoff.run, max(0.5, min(self.budget_s / 2, OFFER_WAIT_S + 3.0,
+                                                                         deadline - started))))
+        release_s = max(0.5, min(self.budget_s - 2.0 - (clock.monotonic() - started), deadline - clock.monotonic()))
         phases = (
             Phase("release", lambda: p.holdings.release(p.holdings.ids(), hint=True), release_s),
             Phase("fence_remaining", self._fence_remaining, 1.0),
