@@ -13,6 +13,8 @@ Contract:
   being held (both in ``fleetd/shard/holdings.py``).  Its events are rare things (an upstream
   reconnect, a gap, a self-fence), at most :data:`MAX_EVENTS` per tenure; past that they are only
   counted (``fleetd.events_dropped``), so an upstream that gaps on every frame costs a counter.
+* **Never in the way.**  No call raises: an OpenTelemetry call that fails is logged (at most once every
+  10 s) and dropped, so a tracing fault can never skip a fence or a release.
 * **The event loop only queues.**  An ended span goes to the SDK's batch processor, whose own thread
   encodes and exports it (OTLP/HTTP protobuf).  :meth:`Tracer.close`, the last step of the shard's
   shutdown, gives the queue a bounded time on another thread; what is not exported then is lost,
@@ -44,6 +46,8 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, ClassVar
 
+from fleetd.logs import RateLimiter
+
 # Nothing heavier than the standard library at import: the supervisor, which runs no event loop,
 # imports this module for ``preload``.
 if TYPE_CHECKING:
@@ -53,6 +57,7 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Tracer as OtelTracer
 
 log = logging.getLogger(__name__)
+_limiter = RateLimiter(10.0)
 
 Attr = str | bool | int | float
 ENDPOINTS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
@@ -66,6 +71,26 @@ PREFIX = "fleetd."
 
 def _named(attrs: Mapping[str, Attr]) -> dict[str, Attr]:
     return {PREFIX + key: value for key, value in attrs.items()}
+
+
+class _Failsafe:
+    """``with FAILSAFE:`` around OpenTelemetry calls: an exception is logged (rate-limited) and swallowed."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool:
+        if not isinstance(exc, Exception):
+            return False
+        if _limiter.allow("tracing"):
+            log.warning("tracing call failed; span data dropped", extra={"error": f"{type(exc).__name__}: {exc}"})
+        return True
+
+
+FAILSAFE = _Failsafe()
 
 
 # ----- the interface, and its null implementation (tracing off) ----------------------------------------
@@ -218,8 +243,10 @@ class _OtelTracer(Tracer):
         named = _named({"connection_id": connection_id, "session_id": session_id, "lease_epoch": epoch,
                         **({} if resume_seq is None else {"resume_seq": resume_seq}), **attrs})
         began_in = _current.get()
-        links = [Link(began_in.recorded().get_span_context())] if began_in is not None else None
-        return _OtelTenure(self._tracer.start_span("tenure", context=self._root, attributes=named, links=links))
+        with FAILSAFE:
+            links = [Link(began_in.recorded().get_span_context())] if began_in is not None else None
+            return _OtelTenure(self._tracer.start_span("tenure", context=self._root, attributes=named, links=links))
+        return NO_TENURE
 
     def span(self, name: str, quiet: bool = False, **attrs: Attr) -> Span:
         return _OtelSpan(self, name, quiet, _named(attrs))
@@ -259,14 +286,16 @@ class _OtelTenure(Tenure):
             self._dropped += 1
             return
         self._events += 1
-        self._span.add_event(name, _named(attrs))
+        with FAILSAFE:
+            self._span.add_event(name, _named(attrs))
 
     def end(self, reason: str, **attrs: Attr) -> None:
-        if not self._span.is_recording():
-            return  # ended already (or not sampled)
-        dropped = {"events_dropped": self._dropped} if self._dropped else {}
-        self._span.set_attributes(_named({"end_reason": reason, **attrs, **dropped}))
-        self._span.end()
+        with FAILSAFE:
+            if not self._span.is_recording():
+                return  # ended already (or not sampled)
+            dropped = {"events_dropped": self._dropped} if self._dropped else {}
+            self._span.set_attributes(_named({"end_reason": reason, **attrs, **dropped}))
+            self._span.end()
 
 
 class _OtelSpan(Span):
@@ -295,27 +324,34 @@ class _OtelSpan(Span):
     def set(self, **attrs: Attr) -> None:
         if self._span is None:
             self._attrs.update(_named(attrs))
-        else:
+            return
+        with FAILSAFE:
             self._span.set_attributes(_named(attrs))
 
     def event(self, name: str, **attrs: Attr) -> None:
-        self.recorded().add_event(name, _named(attrs))
+        with FAILSAFE:
+            self.recorded().add_event(name, _named(attrs))
 
     def keep(self) -> None:
-        self.recorded()
+        with FAILSAFE:
+            self.recorded()
 
     def __enter__(self) -> _OtelSpan:
         self._parent = _current.get()
         self._start_ns = time.time_ns()
         self._token = _current.set(self)
         if not self._quiet:
-            self.recorded()
+            self.keep()
         return self
 
     def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         if self._token is not None:
             _current.reset(self._token)
+        with FAILSAFE:
+            self._finish(exc)
+
+    def _finish(self, exc: BaseException | None) -> None:
         if isinstance(exc, Exception):
             from opentelemetry.trace import Status, StatusCode
 

@@ -26,6 +26,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
 from fleetd import tracing
+from fleetd.logs import RateLimiter
 from tests.helpers import arun
 
 OTEL_VARS = [k for k in os.environ if k.startswith("OTEL_")]
@@ -149,12 +150,13 @@ def test_without_an_otlp_endpoint_the_tracer_is_null_and_opentelemetry_is_never_
 import sys
 from fleetd import supervisor, tracing
 from fleetd.shard import runtime
-tracer = tracing.from_env({"task_id": "t"})
+from fleetd.shard.session import Identity
+tracer = runtime.env_tracer(Identity("t", 0, 10, lambda: "n"))
 assert tracer is tracing.NULL, tracer
 assert tracer.tenure("c", "s", 1, None) is tracing.NO_TENURE
 with tracer.span("reconcile_round", quiet=True) as span:
     assert span is tracing.NO_SPAN
-assert tracing.preload() == []
+assert supervisor.tracing.preload() == []
 loaded = sorted(m for m in sys.modules if m.startswith("opentelemetry"))
 assert not loaded, loaded
 print("ok")
@@ -168,6 +170,7 @@ import logging, sys
 sys.modules["opentelemetry"] = None  # as if not installed: every import of it fails
 logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
 from fleetd import tracing
+from fleetd.logs import RateLimiter
 assert tracing.from_env({"task_id": "t"}) is tracing.NULL
 print("ok")
 """, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT="http://127.0.0.1:9/v1/traces")
@@ -230,6 +233,37 @@ def test_quiet_spans_are_exported_only_when_something_happened_in_them(otel_env:
     assert tenure.resource["fleetd.shard"] == 3
     # X-Ray's form: the trace id starts with its epoch second.
     assert abs(int(tenure.trace_id[:8], 16) - time.time()) < 60
+
+
+class _Broken:
+    """An OpenTelemetry span whose every call fails."""
+
+    def __getattr__(self, name: str) -> Any:
+        def fail(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(f"{name} failed")
+        return fail
+
+
+def test_a_failing_opentelemetry_call_is_logged_and_never_raises(
+        otel_env: Receiver, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lease protocol calls the tracer between a fence and a release: a fault there must not skip them."""
+    monkeypatch.setattr(tracing, "_limiter", RateLimiter(10.0))  # none logged before this test
+
+    async def body() -> None:
+        tracer = tracing.from_env({"task_id": "unit"})
+        tenure = tracer.tenure("c1", "s", 1, None)
+        tenure._span = _Broken()  # type: ignore[attr-defined]
+        tenure.event("upstream_reconnect", cause="disconnected")
+        tenure.end("fenced")
+        with tracer.span("shutdown") as span:
+            span._span = _Broken()  # type: ignore[attr-defined]
+            span.set(held=1)
+            span.event("phase", phase="release")
+        await tracer.close(5.0)
+
+    arun(body())
+    failures = [r for r in caplog.records if r.getMessage().startswith("tracing call failed")]
+    assert len(failures) == 1, "logged once per interval, not once per call"
 
 
 def test_close_is_bounded_when_the_collector_never_answers(monkeypatch: pytest.MonkeyPatch) -> None:

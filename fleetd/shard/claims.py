@@ -57,7 +57,7 @@ class Claimer:
             await self._disown_late(cid, me, result)
             return Outcome.LOST
         self.ctx.stats.inc(f"{source}_claims_total")  # reconcile, hint or handed
-        self.holdings.adopt(cid, result)
+        self.holdings.adopt(cid, result, source, taken_from=dead_owner if dead_owner and dead_owner != me else "")
         return Outcome.WON
 
     def _usable(self, result: ClaimResult, generation: int) -> bool:
