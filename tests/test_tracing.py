@@ -1,13 +1,15 @@
 """Tracing (fleetd/tracing.py): off without OTLP settings, and what a real fleet exports with them.
 
 The spans are received by :class:`Receiver`, an OTLP/HTTP endpoint on loopback that decodes each
-request with the real protobuf classes (``opentelemetry-proto``), as a collector would.
+request with the real protobuf classes (``opentelemetry-proto``), as a collector would.  The fleet
+test runs ``fleetd run`` (supervisor, forkserver, shard) against the local stack on the fast profile.
 """
 
 from __future__ import annotations
 
 import gzip
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -16,6 +18,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,7 +29,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
 from fleetd import tracing
+from fleetd.config import Config
 from fleetd.logs import RateLimiter
+from tests.fleet import FleetdProc, UpstreamProc, audit, fleetd_env, owners, seed_items, stop_all, wait_for
 from tests.helpers import arun
 
 OTEL_VARS = [k for k in os.environ if k.startswith("OTEL_")]
@@ -170,6 +175,7 @@ import logging, sys
 sys.modules["opentelemetry"] = None  # as if not installed: every import of it fails
 logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
 from fleetd import tracing
+from fleetd.config import Config
 from fleetd.logs import RateLimiter
 assert tracing.from_env({"task_id": "t"}) is tracing.NULL
 print("ok")
@@ -284,3 +290,108 @@ def test_close_is_bounded_when_the_collector_never_answers(monkeypatch: pytest.M
         assert arun(body()) < 1.5
     finally:
         silent.close()
+
+
+# ----- a fleet ---------------------------------------------------------------------------------------------
+
+
+def start_run(cfg: Config, tmp_path: Path, task: str, receiver: Receiver, **env: str) -> FleetdProc:
+    """``fleetd run`` with one shard, exporting to ``receiver`` (batches every 0.2 s)."""
+    clean = {k: v for k, v in fleetd_env(cfg, FLEETD_TASK_ID=task, FLEETD_SHARDS="1", **env).items()
+             if not k.startswith("OTEL_")}
+    full = {**clean, "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    return FleetdProc([sys.executable, "-m", "fleetd", "run", "--metrics-addr", "127.0.0.1:0"], full,
+                      tmp_path / f"run-{task}.log")
+
+
+def tasks_of(cfg: Config, ids: list[str]) -> dict[str, int]:
+    """Owning task → number of ``ids`` it owns ('' for free)."""
+    counts: dict[str, int] = {}
+    for cid, owner in owners(cfg).items():
+        if cid in ids:
+            task = owner.split("/")[0]
+            counts[task] = counts.get(task, 0) + 1
+    return counts
+
+
+def test_tenures_of_a_hand_over_share_the_connection_id_and_follow_each_others_epochs(
+        cfg: Config, tmp_path: Path, receiver: Receiver) -> None:
+    """Task a holds 20 streams; task b starts and a's rebalancing hands it some (one push each); then a
+    gets SIGTERM and releases the rest, which b claims through the hints; then b stops.  Every stream
+    has exactly two tenures in the traces, a's then b's, and what they say agrees with the table."""
+    conns = [f"c{i:02d}" for i in range(20)]
+    up = UpstreamProc(tmp_path, rate=10.0)
+    a: FleetdProc | None = None
+    b: FleetdProc | None = None
+    try:
+        seed_items(cfg, {cid: up.url(cid) for cid in conns})
+        # b finds streams mostly through a's hand-overs and hints: its periodic reconcile is a minute away.
+        a = start_run(cfg, tmp_path, "a", receiver, FLEETD_REBALANCE_S="2")
+        wait_for(lambda: tasks_of(cfg, conns) == {"a": 20}, 30, 0.25, "a claims all 20")
+        wait_for(lambda: all(len(s) >= 3 for s in audit(cfg, conns).seqs.values())
+                 and len(audit(cfg, conns).seqs) == 20, 20, 0.5, "a writes a few messages of each")
+        b = start_run(cfg, tmp_path, "b", receiver, FLEETD_REBALANCE_S="2", FLEETD_RECONCILE_S="60")
+        wait_for(lambda: tasks_of(cfg, conns).get("b", 0) >= 5, 40, 0.5, "a hands b some streams")
+        time.sleep(2)  # past a's settle time: no more moves pending
+        a.signal(signal.SIGTERM)
+        assert a.wait(25) == 0
+        wait_for(lambda: tasks_of(cfg, conns) == {"b": 20}, 20, 0.25, "b owns all 20")
+        time.sleep(1)
+        b.signal(signal.SIGTERM)
+        assert b.wait(25) == 0
+    finally:
+        stop_all(*(p for p in (a, b) if p is not None), up)
+
+    tenures: dict[str, list[Got]] = {}
+    for t in receiver.spans("tenure"):
+        tenures.setdefault(t.attrs["fleetd.connection_id"], []).append(t)
+    assert sorted(tenures) == conns, f"streams without tenures: {sorted(set(conns) - set(tenures))}"
+    handed = released = 0
+    for cid, pair in tenures.items():
+        assert len(pair) == 2, f"{cid}: {len(pair)} tenures"
+        first, second = sorted(pair, key=lambda t: t.start_ns)
+        assert first.resource["fleetd.task_id"] == "a" and second.resource["fleetd.task_id"] == "b", cid
+        assert first.attrs["fleetd.session_id"].startswith("a/") and second.attrs["fleetd.session_id"].startswith("b/")
+        assert first.attrs["fleetd.lease_epoch"] == 1 and "fleetd.resume_seq" not in first.attrs, \
+            "a's tenure is each item's first: no resume point"
+        assert first.attrs["fleetd.source"] == "reconcile"
+        if second.attrs["fleetd.source"] == "hint":
+            # A hint goes out once the release is answered, which ends the tenure.  (Found otherwise, b's
+            # tenure may begin before a's release answer arrives: the traces may overlap by that much.)
+            assert first.end_ns <= second.start_ns, f"{cid}: b's tenure began before a's ended"
+        assert first.attrs["fleetd.last_seq"] >= 3
+        assert second.attrs["fleetd.resume_seq"] == first.attrs["fleetd.last_seq"], \
+            f"{cid}: b resumed from a's final checkpoint"
+        epochs = (first.attrs["fleetd.lease_epoch"], second.attrs["fleetd.lease_epoch"])
+        if first.attrs["fleetd.end_reason"] == "handed_over":
+            # The push moves the epoch (a's writes are fenced by it), and b's adopting claim moves it again.
+            handed += 1
+            assert first.attrs["fleetd.handed_to"] == second.attrs["fleetd.session_id"], cid
+            assert second.attrs["fleetd.source"] == "handed" and epochs[1] == epochs[0] + 2, (cid, epochs)
+        else:
+            released += 1
+            assert first.attrs["fleetd.end_reason"] == "shutdown", cid
+            assert first.attrs["fleetd.release_result"] == "won", cid
+            # Claimed through a's hints, or by b's reconcile if that ran first (it wakes when a session it
+            # saw is due to expire, and a's was: a live session's expiry is within b's long horizon).
+            assert second.attrs["fleetd.source"] in ("hint", "reconcile"), (cid, second.attrs["fleetd.source"])
+            assert epochs[1] == epochs[0] + 1, (cid, epochs)
+        assert second.attrs["fleetd.end_reason"] == "shutdown", cid
+        assert second.attrs["fleetd.release_result"] == "won", cid
+    print(f"tenures: {handed} streams handed over by rebalancing, {released} released at SIGTERM")
+    assert handed >= 5 and released >= 1, (handed, released)
+
+    # The rounds that claimed a's streams are exported, linked from the tenures; the idle ones are not.
+    spans = {s.span_id: s for s in receiver.spans()}
+    rounds = [s for s in spans.values() if s.name == "reconcile_round"]
+    linked = {link for t in receiver.spans("tenure") for link in t.links}
+    parents = {s.parent for s in spans.values()}
+    assert rounds and all(r.span_id in linked or r.span_id in parents for r in rounds), "an idle round exported"
+    assert all(spans[link].name in ("reconcile_round", "takeover") for link in linked if link in spans)
+    moves = [s for s in spans.values() if s.name == "hand_over"]
+    assert sum(m.attrs["fleetd.moved"] for m in moves) == handed
+    assert {m.resource["fleetd.task_id"] for m in moves} == {"a"}
+    shutdowns = {s.resource["fleetd.task_id"]: s for s in spans.values() if s.name == "shutdown"}
+    assert set(shutdowns) == {"a", "b"} and shutdowns["a"].attrs["fleetd.held"] == released
+    phases = {e[1]["fleetd.phase"]: e[1]["fleetd.outcome"] for e in shutdowns["a"].events if e[0] == "phase"}
+    assert phases["release"] == "done" and {"fence_remaining", "end_session"} <= set(phases), phases
