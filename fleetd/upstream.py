@@ -73,6 +73,7 @@ URLs in log lines are redacted (:func:`fleetd.validation.redact_url`).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import socket
 import urllib.parse
@@ -98,6 +99,7 @@ from fleetd.config import UpstreamConfig
 from fleetd.logs import RateLimiter
 from fleetd.sink import Cursor, Sink
 from fleetd.stats import Stats
+from fleetd.tracing import NO_TENURE, Tenure
 from fleetd.validation import address_refusal, host_exempt, redact_url
 
 log = logging.getLogger("fleetd.upstream")
@@ -342,11 +344,13 @@ class Connection:
         "sequenced",
         "sink",
         "stats",
+        "tenure",
         "url",
     )
 
     def __init__(self, connection_id: str, url: str, cursor: Cursor, last_seq: int | None, sink: Sink,
-                 cfg: UpstreamConfig, stats: Stats, clock: Clock, connect: Connector = ws_connect) -> None:
+                 cfg: UpstreamConfig, stats: Stats, clock: Clock, connect: Connector = ws_connect,
+                 tenure: Tenure = NO_TENURE) -> None:
         self.connection_id = connection_id
         self.connect = connect
         self.url = url
@@ -358,6 +362,7 @@ class Connection:
         self.cfg = cfg
         self.stats = stats
         self.clock = clock
+        self.tenure = tenure  # the lease tenure's trace span (fleetd.tracing): reconnects, gaps, anomalies
         self.seq_field = cfg.seq_field
         self.max_frame_bytes = cfg.max_frame_bytes
         self.max_seq_jump = cfg.max_seq_jump
@@ -376,7 +381,10 @@ class Connection:
     # ----- lifecycle (called by the shard) ----------------------------------------------------------
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run_loop(), name=f"conn:{self.connection_id}")
+        # A context of its own: the task outlives whatever started it (a reconcile round, whose trace
+        # span it would otherwise keep alive as long as the stream is held).
+        self._task = asyncio.get_running_loop().create_task(self._run_loop(), name=f"conn:{self.connection_id}",
+                                                            context=contextvars.Context())
 
     def fence(self) -> None:
         """Lease lost or about to expire: stop writing and drop the socket now, no handshake."""
@@ -417,18 +425,22 @@ class Connection:
         backoff = Backoff(self.cfg.backoff_min_s, self.cfg.backoff_max_s, jitter=0.5)
         while not self.closing and not self.parked:
             started = self.clock.monotonic()
+            cause = "disconnected"
             try:
                 await self._stream_once()
             except asyncio.CancelledError:
                 raise
             except Exception as e:
+                cause = type(e).__name__
                 self._log_failure(e)
             if self.closing or self.parked:
                 return
             if self.clock.monotonic() - started > _STABLE_S:
                 backoff.reset()
             self.stats.inc("upstream_reconnects_total")
-            await asyncio.sleep(backoff.next())
+            delay = backoff.next()
+            self.tenure.event("upstream_reconnect", cause=cause, delay_s=round(delay, 3))
+            await asyncio.sleep(delay)
 
     async def _stream_once(self) -> None:
         url = self._connect_url()
@@ -566,6 +578,7 @@ class Connection:
         if not (self._fresh and self._suspect == kind):
             self._suspect = kind
             self.stats.inc("upstream_seq_anomalies_total", kind=kind)
+            self.tenure.event("seq_anomaly", kind=kind, after=last, got=seq)
             if _limiter.allow("anomaly:" + self.connection_id):
                 log.warning("sequence anomaly: frame held back, resuming to confirm",
                             extra={"connection_id": self.connection_id, "kind": kind, "after": last, "got": seq})
@@ -577,6 +590,7 @@ class Connection:
             self._gap(last, seq)
             return True
         self.stats.inc("upstream_seq_anomalies_total", kind="reset_parked")
+        self.tenure.event("parked", after=last, got=seq)
         log.error("upstream numbering restarted on a fresh resume: stream parked; stop it and start the new "
                   "numbering under a new connection id",
                   extra={"connection_id": self.connection_id, "after": last, "got": seq})
@@ -595,6 +609,7 @@ class Connection:
 
     def _gap(self, last: int, seq: int) -> None:
         self.stats.inc("seq_gaps_total")
+        self.tenure.event("seq_gap", after=last, got=seq)
         if _limiter.allow("gap:" + self.connection_id):
             log.warning("sequence gap", extra={"connection_id": self.connection_id, "after": last, "got": seq})
 

@@ -22,6 +22,11 @@ task definition's environment (``FLEETD_CONNECTIONS_TABLE: !Ref ConnectionsTable
 
 A cheap static cross-check complements the run: every AWS operation called anywhere in the task's
 code maps to a granted action, and every granted action is called somewhere.
+
+The one conditional grant is not fleetd's: with ``Tracing=enabled`` the template adds a collector
+container that sends fleetd's traces to X-Ray, and the task role (every container's) gains the one
+call its exporter makes.  It is checked on its own (:func:`tracing_grants`), never mixed with
+fleetd's: the run above is untraced, as the template's default is.
 """
 
 from __future__ import annotations
@@ -103,11 +108,36 @@ def template() -> dict[str, Any]:
     return tpl
 
 
-def task_role_statements(tpl: dict[str, Any]) -> list[dict[str, Any]]:
+def _all_statements(tpl: dict[str, Any]) -> list[dict[str, Any]]:
     (task,) = [r for r in tpl["Resources"].values() if r["Type"] == "AWS::ECS::TaskDefinition"]
     role_ref = task["Properties"]["TaskRoleArn"]["!GetAtt"]
     role = tpl["Resources"][role_ref.split(".")[0]]
     return [st for policy in role["Properties"]["Policies"] for st in policy["PolicyDocument"]["Statement"]]
+
+
+def _conditional(st: dict[str, Any]) -> dict[str, Any] | None:
+    """The statement behind ``!If [HasTracing, statement, !Ref AWS::NoValue]``; None if unconditional.
+    Any other condition is refused: it would be a grant neither check below accounts for."""
+    if "!If" not in st:
+        return None
+    condition, yes, no = st["!If"]
+    assert condition == "HasTracing" and no == {"!Ref": "AWS::NoValue"}, f"unexpected conditional grant: {st}"
+    return dict(yes)
+
+
+def task_role_statements(tpl: dict[str, Any]) -> list[dict[str, Any]]:
+    """What fleetd's own calls need: the unconditional statements."""
+    return [st for st in _all_statements(tpl) if _conditional(st) is None]
+
+
+def tracing_grants(tpl: dict[str, Any]) -> set[Pair]:
+    """The tracing collector's grants (``Tracing=enabled`` only)."""
+    out: set[Pair] = set()
+    for st in _all_statements(tpl):
+        if (yes := _conditional(st)) is not None:
+            out |= {(a, logical_resource(r, yes.get("Condition"))) for a in _listed(yes["Action"])
+                    for r in _listed(yes["Resource"])}
+    return out
 
 
 def _listed(value: Any) -> list[Any]:
@@ -146,7 +176,7 @@ def logical_names(tpl: dict[str, Any], cfg: Config) -> dict[str, str]:
     """The run's resource names (tables, queue, namespace) → the template's logical names, through
     the task definition's environment."""
     (task,) = [r for r in tpl["Resources"].values() if r["Type"] == "AWS::ECS::TaskDefinition"]
-    (container,) = task["Properties"]["ContainerDefinitions"]
+    (container,) = [c for c in task["Properties"]["ContainerDefinitions"] if c.get("Name") == "fleetd"]
     env = {e["Name"]: e["Value"] for e in container["Environment"] if isinstance(e, dict) and "Name" in e}
     values = config.as_env(cfg)
     names: dict[str, str] = {}
@@ -390,6 +420,21 @@ def test_every_aws_call_in_the_task_code_is_granted_and_every_grant_is_called() 
                             f"granted, never called: {sorted(grants - code)}")
     for action, _ in MAYBE_UNREACHED:
         assert action in code, f"{action} is no longer called: drop it from MAYBE_UNREACHED"
+
+
+def test_the_only_conditional_grant_is_x_ray_for_the_tracing_collector() -> None:
+    """Granted exactly when the container that makes the call exists: the collector's awsxray exporter
+    sends segments (PutTraceSegments, no resource-level permissions) and, with its telemetry off,
+    nothing else.  fleetd itself only speaks OTLP to it on the task's loopback."""
+    tpl = template()
+    assert tracing_grants(tpl) == {("xray:PutTraceSegments", "*")}
+    (task,) = [r for r in tpl["Resources"].values() if r["Type"] == "AWS::ECS::TaskDefinition"]
+    sidecars = [c["!If"] for c in task["Properties"]["ContainerDefinitions"] if "!If" in c]
+    assert [(cond, c["Name"]) for cond, c, _ in sidecars] == [("HasTracing", "otel-collector")]
+    config_text = sidecars[0][1]["Environment"][0]["Value"]["!Sub"]
+    exporters = yaml.safe_load(config_text.replace("${AWS::Region}", "r"))["exporters"]
+    assert set(exporters) == {"awsxray"} and "telemetry" not in exporters["awsxray"]
+    assert not any(a.startswith("xray:") for a, _ in granted(tpl)), "fleetd's own grants exclude X-Ray"
 
 
 @pytest.mark.parametrize(("node", "condition", "logical"), [

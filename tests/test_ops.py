@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from fleetd import cloudwatch, config, schema
+from fleetd import cloudwatch, config, schema, tracing
 from fleetd.config import AwsConfig, RuntimeConfig
 from fleetd.devstack import free_port
 from fleetd.supervisor import KILL_GRACE_S
@@ -37,6 +37,8 @@ from tools import gen_config_docs, lock_image
 
 # cfn-lint ships no type information; its YAML decoder understands !Ref, !Sub, !GetAtt...
 cfn_decode: Any = importlib.import_module("cfnlint.decode")
+# PyYAML ships no type information either (as in tests/test_dashboard.py).
+yaml: Any = importlib.import_module("yaml")
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"
@@ -318,8 +320,8 @@ class Resolver:
             if fn == "Fn::GetAtt":
                 logical, attr = arg if isinstance(arg, list) else str(arg).split(".", 1)
                 return self.get_att(str(logical), str(attr))
-        if isinstance(node, dict):
-            return {k: self(v) for k, v in node.items()}
+        if isinstance(node, dict):  # a property whose value is AWS::NoValue is left out, as CloudFormation does
+            return {k: v for k, v in ((k, self(v)) for k, v in node.items()) if v != self.NO_VALUE}
         if isinstance(node, list):
             return [v for v in (self(v) for v in node) if v != self.NO_VALUE]
         return node
@@ -382,10 +384,17 @@ def test_cfn_hints_queue_has_a_dead_letter_queue() -> None:
     assert int(hints["ReceiveMessageWaitTimeSeconds"]) == 20
 
 
+def _containers(tpl: dict[str, Any], resolve: Resolver) -> dict[str, dict[str, Any]]:
+    """The task's containers by name, conditional ones as ``resolve``'s parameters decide."""
+    (task,) = resources_of(tpl, "AWS::ECS::TaskDefinition").values()
+    return {c["Name"]: c for c in plain(resolve(task["Properties"]["ContainerDefinitions"]))}
+
+
 def _container(tpl: dict[str, Any]) -> dict[str, Any]:
+    """fleetd's container, unresolved (beside it, only the tracing collector, behind Fn::If)."""
     (task,) = resources_of(tpl, "AWS::ECS::TaskDefinition").values()
     assert task["Properties"]["RequiresCompatibilities"] == ["FARGATE"]
-    (container,) = task["Properties"]["ContainerDefinitions"]
+    (container,) = [c for c in task["Properties"]["ContainerDefinitions"] if "Fn::If" not in c]
     return dict(container)
 
 
@@ -394,7 +403,7 @@ def test_cfn_task_definition_configures_fleetd() -> None:
     resolve = Resolver(tpl)
     container = _container(tpl)
     env = task_env(tpl, resolve)
-    known = {s.env for s in config.settings()}
+    known = {s.env for s in config.settings()} | set(tracing.ENDPOINTS)  # (OpenTelemetry's own variables)
     conditional = {e["Name"] for node in _container(tpl)["Environment"] if "Fn::If" in node
                    for e in node["Fn::If"][1:] if isinstance(e, dict) and "Name" in e}
     unknown = (set(env) | conditional) - known
@@ -439,7 +448,8 @@ def test_cfn_task_role_is_least_privilege() -> None:
     tpl = template()
     resolve = Resolver(tpl)
     task_role = _container_role(tpl)
-    statements = [s for p in task_role["Properties"]["Policies"] for s in p["PolicyDocument"]["Statement"]]
+    # With the defaults: the tracing collector's grant is not there (test_cfn_tracing_is_a_sidecar...).
+    statements = [s for p in task_role["Properties"]["Policies"] for s in resolve(p["PolicyDocument"]["Statement"])]
     by_service: dict[str, list[dict[str, Any]]] = {}
     for st in statements:
         assert st["Effect"] == "Allow"
@@ -468,6 +478,43 @@ def test_cfn_task_role_is_least_privilege() -> None:
     (cw,) = by_service["cloudwatch"]
     assert cw["Action"] == ["cloudwatch:PutMetricData"]
     assert plain(resolve(cw["Condition"])) == {"StringEquals": {"cloudwatch:namespace": "WsFleet"}}
+
+
+def test_cfn_tracing_is_a_collector_sidecar_to_x_ray_only_when_enabled() -> None:
+    """Tracing=enabled: an ADOT collector beside fleetd, receiving OTLP/HTTP on the task's loopback, the
+    endpoint set on fleetd, and X-Ray's PutTraceSegments on the task role; disabled (the default): none."""
+    tpl = template()
+    off, on = Resolver(tpl), Resolver(tpl)
+    assert off.params["Tracing"] == "disabled"
+    on.params["Tracing"] = "enabled"
+    assert set(_containers(tpl, off)) == {"fleetd"}
+    assert not {k for k in task_env(tpl, off) if k.startswith("OTEL_")}
+    assert "DependsOn" not in _containers(tpl, off)["fleetd"]
+
+    containers = _containers(tpl, on)
+    assert set(containers) == {"fleetd", "otel-collector"}
+    fleetd, collector = containers["fleetd"], containers["otel-collector"]
+    endpoint = task_env(tpl, on)["OTEL_EXPORTER_OTLP_ENDPOINT"]
+    assert tracing.enabled_by_env({"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint})
+    assert fleetd["DependsOn"] == [{"ContainerName": "otel-collector", "Condition": "START"}]
+    assert collector["Essential"] is False, "a dead collector must not stop the task"
+    assert collector["Image"].startswith("public.ecr.aws/aws-observability/aws-otel-collector:")
+    (conf_var,) = collector["Environment"]
+    assert conf_var["Name"] == "AOT_CONFIG_CONTENT"
+    conf = yaml.safe_load(conf_var["Value"])
+    port = endpoint.rpartition(":")[2]
+    assert conf["receivers"]["otlp"]["protocols"]["http"]["endpoint"] == f"127.0.0.1:{port}"
+    assert conf["service"]["pipelines"]["traces"]["exporters"] == ["awsxray"]
+    xray = conf["exporters"]["awsxray"]
+    assert "fleetd.connection_id" in xray["indexed_attributes"], "the runbook searches by connection id"
+    assert "telemetry" not in xray, "only PutTraceSegments is granted"
+    assert collector["LogConfiguration"]["Options"]["mode"] == "non-blocking"
+
+    role = _container_role(tpl)
+    statements = [s for p in role["Properties"]["Policies"] for s in on(p["PolicyDocument"]["Statement"])]
+    xray_grants = [s for s in plain(statements) if str(s["Action"]).startswith("xray:")]
+    assert xray_grants == [{"Sid": "TracesToXRay", "Effect": "Allow", "Action": "xray:PutTraceSegments",
+                            "Resource": "*"}]
 
 
 def _container_role(tpl: dict[str, Any]) -> dict[str, Any]:

@@ -53,7 +53,7 @@ from bench.sim.invariants import HANDOVER_S, TAIL_S, Checker
 from bench.sim.net import CloudWatchClient, DynamoClient, FaultMix, Network, SqsClient
 from bench.sim.services import CloudWatchService, DynamoService, SqsService
 from bench.sim.vloop import Livelock, Scheduler, VirtualLoop, VirtualTime
-from fleetd import config, items
+from fleetd import config, items, tracing
 from fleetd.aws import Clients
 from fleetd.config import Config
 from fleetd.lease import LeaseStore
@@ -352,8 +352,9 @@ class World:
         async def open_clients(stack: AsyncExitStack, aws_cfg: Any) -> Clients:
             return clients
 
+        # Never traced, whatever OTEL_* this process has: an exporter thread has no place on a virtual clock.
         env = Environment(open_clients=open_clients, connect=self.ups.connector(proc), signals=False,
-                          nonce=self.nonce)
+                          nonce=self.nonce, tracer=lambda _: tracing.NULL)
         proc.shard = Shard(task.cfg, index, clock=clock, reporter=None, predecessor=predecessor, env=env)
         proc.main = proc.loop.create_task(proc.shard.run())
         proc.main.add_done_callback(lambda fut, proc=proc: self._exited(proc, fut))  # type: ignore[misc]

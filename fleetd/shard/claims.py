@@ -40,15 +40,16 @@ class Claimer:
     async def claim(self, cid: str, dead_owner: str | None = None, source: str = "reconcile") -> Outcome | None:
         """Try to take one stream and start streaming it.  None: did not try (held, being claimed,
         skipped, no room, or no live session); LOST: the condition failed, or the win came too late."""
-        return await self._claim(cid, source, lambda me: self.ctx.leases.claim(cid, me, dead_owner))
+        return await self._claim(cid, source, dead_owner or "", lambda me: self.ctx.leases.claim(cid, me, dead_owner))
 
     async def take(self, offer: Offer, offered_by: str) -> Outcome | None:
         """Take a stream a stopping peer offered (the caller checked its offers are open), as ``claim``."""
         cid = offer.connection_id
         return await self._claim(
-            cid, "offer", lambda me: self.ctx.leases.take(cid, me, offered_by, offer.epoch, offer.last_seq))
+            cid, "offer", offered_by, lambda me: self.ctx.leases.take(cid, me, offered_by, offer.epoch, offer.last_seq))
 
-    async def _claim(self, cid: str, source: str, write: Callable[[str], Awaitable[ClaimResult]]) -> Outcome | None:
+    async def _claim(self, cid: str, source: str, taken_from: str,
+                     write: Callable[[str], Awaitable[ClaimResult]]) -> Outcome | None:
         if (self.holdings.busy(cid) or self.skipped(cid) or self.holdings.free_capacity() <= 0
                 or not self.session.may_claim()):
             return None
@@ -67,7 +68,7 @@ class Claimer:
             await self._disown_late(cid, me, result)
             return Outcome.LOST
         self.ctx.stats.inc(f"{source}_claims_total")  # reconcile, hint, handed or offer
-        self.holdings.adopt(cid, result)
+        self.holdings.adopt(cid, result, source, taken_from=taken_from if taken_from != me else "")
         return Outcome.WON
 
     def _usable(self, result: ClaimResult, generation: int) -> bool:

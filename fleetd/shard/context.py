@@ -12,6 +12,7 @@ from fleetd.hints import Hints
 from fleetd.lease import LeaseStore
 from fleetd.sink import Sink
 from fleetd.stats import Stats
+from fleetd.tracing import NULL, Tracer
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,7 +20,8 @@ class Context:
     """Built once the AWS clients are open; every field is set, none changes.
 
     ``stopping`` is the one stopping event: set by the first SIGTERM/SIGINT (or ``request_stop``),
-    it ends every loop (``while not stopping.is_set()``) and starts the shutdown phases.
+    it ends every loop (``while not stopping.is_set()``) and starts the shutdown phases.  ``tracer``
+    is the shard's (``fleetd.tracing``; the null one unless OTLP export is configured).
     """
 
     cfg: Config
@@ -30,6 +32,7 @@ class Context:
     sink_ddb: Any
     hints: Hints
     stopping: asyncio.Event
+    tracer: Tracer = NULL
 
     def is_stopping(self) -> bool:
         return self.stopping.is_set()

@@ -63,4 +63,4 @@ class DesiredState:
             elif item.ws_url != h.item.ws_url:
                 await self.holdings.restart(cid, h, item)
         if to_release:
-            await self.holdings.release(to_release, hint=False)
+            await self.holdings.release(to_release, hint=False, reason="stopped")

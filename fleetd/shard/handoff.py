@@ -54,7 +54,7 @@ class Handoff:
         taken = await self._wait_taken(me, offers)
         for cid, h in offered:
             if cid in taken:
-                self.holdings.forget(cid, h)
+                self.holdings.forget(cid, h, "offer_taken")
         self.ctx.stats.inc("handoff_total", float(len(taken)), result="taken")
         log.info("streams offered to peers", extra={"offered": len(offers), "taken": len(taken)})
 

@@ -5,6 +5,10 @@ a won claim), leaves by ``fence`` (lease lost or about to be: socket dropped, no
 ``forget`` (handed on: closed, flushed, released or pushed).  Every exit fences the socket, so no
 socket outlives its record; every send checks the record (``may_write``), so no message is written
 for a stream that left.
+
+A record's tenure (``fleetd.tracing``) begins in ``_enter`` and ends in ``_leave``, the only two places
+that change ``held``, so every way in and out is traced by construction; a shutdown out of time ends the
+tenures of the records it leaves behind (``fence_remaining``).
 """
 
 from __future__ import annotations
@@ -24,10 +28,14 @@ from fleetd.shard.context import Context
 from fleetd.shard.freeing import finish_hints
 from fleetd.shard.session import SessionKeeper, fence_deadline
 from fleetd.sink import Cursor
+from fleetd.tracing import NO_TENURE, Attr, Tenure
 from fleetd.upstream import Connection, Connector
 from fleetd.validation import validate_url
 
 log = logging.getLogger(__name__)
+# Fences of our own making: the lease could not be confirmed in time (the others are a lease known lost,
+# or an item deleted).  A tenure records them as an event before it ends.
+SELF_FENCES = frozenset({"self_fence", "send_deadline"})
 
 
 @dataclass(slots=True)
@@ -42,6 +50,7 @@ class Held:
     releasing: bool = False
     restarting: bool = False  # its socket is being replaced (a new ws_url)
     checkpointed_at: float = 0.0  # monotonic time of our last checkpoint of it (or a random phase)
+    tenure: Tenure = NO_TENURE  # its trace span (fleetd.tracing), from _enter to _leave
 
     def owner(self, session_id: str) -> str:
         """The lease owner our writes for it are conditioned on (the item's, or our session's)."""
@@ -100,8 +109,10 @@ class Holdings:
 
     # ----- entering and leaving --------------------------------------------------------------------------
 
-    def adopt(self, cid: str, result: ClaimResult) -> None:
-        """Start streaming a stream whose claim we won (an unreadable item is held parked)."""
+    def adopt(self, cid: str, result: ClaimResult, source: str = "reconcile", taken_from: str = "") -> None:
+        """Start streaming a stream whose claim we won (an unreadable item is held parked).  ``source``:
+        what the claim came from (reconcile, hint, handed); ``taken_from``: the dead session it was taken
+        from, if any (both only for its trace)."""
         item = result.item
         unreadable = item is None
         if item is None:
@@ -115,11 +126,24 @@ class Holdings:
                     # A random phase: connections claimed together must not all reach their idle
                     # checkpoint in the same tick (a burst of one write per connection).
                     checkpointed_at=now - random.uniform(0, self.ctx.cfg.lease.checkpoint_idle_s))
-        self._held[cid] = held
+        resume = resume_point(item)
+        self._enter(cid, held, resume, source=source, **({"taken_from": taken_from} if taken_from else {}))
         # Parked (counted once, as unparseable: it has no URL to be bad) until a `ctl start` fixes it.
-        held.conn = None if unreadable else self._connect(item, cursor, resume_point(item))
+        held.conn = None if unreadable else self._connect(item, cursor, resume, held.tenure)
 
-    def _connect(self, item: ConnItem, cursor: Cursor, last_seq: int | None) -> Connection | None:
+    def _enter(self, cid: str, held: Held, resume: int | None, **attrs: Attr) -> None:
+        """The only way into ``held``: the record's tenure begins with it."""
+        self._held[cid] = held
+        held.tenure = self.ctx.tracer.tenure(cid, self.session.session_id, held.epoch, resume, **attrs)
+
+    def _leave(self, cid: str, h: Held, reason: str, **attrs: Attr) -> None:
+        """The only way out of ``held``: this record leaves (never a newer one of the same stream) and its
+        tenure ends, with the last seq durable for it (what a release or hand-over wrote)."""
+        if self._held.get(cid) is h:
+            del self._held[cid]
+        h.tenure.end(reason, last_seq=h.cursor.last_seq, **attrs)
+
+    def _connect(self, item: ConnItem, cursor: Cursor, last_seq: int | None, tenure: Tenure) -> Connection | None:
         try:
             url = validate_url(item.ws_url, self.ctx.cfg.upstream)
         except ValueError as e:
@@ -128,7 +152,7 @@ class Holdings:
                                                                "error": str(e)})
             return None
         conn = Connection(item.connection_id, url, cursor, last_seq, self.ctx.sink, self.ctx.cfg.upstream,
-                          self.ctx.stats, self.ctx.clock, self.connect)
+                          self.ctx.stats, self.ctx.clock, self.connect, tenure)
         if self.ctx.sink.pressured:
             # Born paused: the pressure callback pauses only the connections that exist when the sink
             # crosses its high watermark, and one claimed afterwards must not read on unchecked.
@@ -138,13 +162,16 @@ class Holdings:
 
     def fence(self, cid: str, reason: str) -> None:
         """Lease lost or about to expire: fence the stream now, no release."""
-        h = self._held.pop(cid, None)
+        h = self._held.get(cid)
         if h is None:
             return
         if h.conn is not None:
             h.conn.fence()
         else:
             self.ctx.sink.deactivate(h.cursor)
+        if reason in SELF_FENCES:
+            h.tenure.event("self_fence", reason=reason)
+        self._leave(cid, h, "fenced", fence_reason=reason)
         self.ctx.stats.inc("lease_lost_total", reason=reason)
         log.info("connection fenced", extra={"connection_id": cid, "reason": reason})
 
@@ -160,10 +187,10 @@ class Holdings:
         if failed is not None:
             raise failed
 
-    def forget(self, cid: str, h: Held) -> None:
-        """A stream released or handed over: drop this record of it (never a newer one)."""
-        if self._held.get(cid) is h:
-            del self._held[cid]
+    def forget(self, cid: str, h: Held, reason: str, **attrs: Attr) -> None:
+        """A stream released or handed over (``reason``, for its tenure): drop this record of it (never a
+        newer one)."""
+        self._leave(cid, h, reason, **attrs)
         if h.conn is not None:
             h.conn.fence()  # already closed; a no-op unless a restart raced the release
         self.ctx.sink.deactivate(h.cursor)
@@ -173,6 +200,7 @@ class Holdings:
         for h in self._held.values():
             if h.conn is not None:
                 h.conn.fence()
+            h.tenure.end("unreleased", last_seq=h.cursor.last_seq)
 
     async def restart(self, cid: str, h: Held, item: ConnItem) -> None:
         """The item's ws_url changed (e.g. a parked item was fixed): reconnect to the new URL.
@@ -192,7 +220,8 @@ class Holdings:
             return
         h.item = item
         last = h.conn.last_received if h.conn is not None else resume_point(item)
-        h.conn = self._connect(item, h.cursor, last)  # same cursor: seqs keep increasing on it
+        h.tenure.event("restart")  # a new ws_url: same tenure, new socket
+        h.conn = self._connect(item, h.cursor, last, h.tenure)  # same cursor: seqs keep increasing on it
 
     # ----- what the sink asks ----------------------------------------------------------------------------
 
@@ -232,10 +261,11 @@ class Holdings:
             self.ctx.sink.deactivate(h.cursor)
         return self.ctx.clock.monotonic() + phase_s
 
-    async def release(self, ids: list[str], hint: bool) -> None:
-        """Close, flush and release these streams; with ``hint``, START hints for them, sent as the
-        releases complete (peers claim while the rest is still being released).  A release is retried
-        for one phase: given up, the item stays owned until our session ends."""
+    async def release(self, ids: list[str], hint: bool, reason: str = "released") -> None:
+        """Close, flush and release these streams (``reason``, for their tenures: released, stopped,
+        shutdown); with ``hint``, START hints for them, sent as the releases complete (peers claim while
+        the rest is still being released).  A release is retried for one phase: given up, the item stays
+        owned until our session ends."""
         entries = [(cid, h) for cid in ids if (h := self._held.get(cid)) is not None]
         until = await self.quiesce(entries)
         stream = HintStream(self.ctx.hints) if hint else None
@@ -245,7 +275,7 @@ class Holdings:
             cid, h = entry
             outcome = await retrying(lambda: leases.release(cid, h.owner(me), h.epoch, h.cursor.last_seq),
                                      lambda o: o is Outcome.RETRYABLE, until, clock)
-            self.forget(cid, h)
+            self.forget(cid, h, reason, release_result=outcome.value)
             if outcome is Outcome.RETRYABLE:
                 self.suspect_strays()  # it may still be ours: then we adopt it again, or free it if stopping
             self.ctx.stats.inc("lease_releases_total", result=outcome.value)

@@ -129,6 +129,12 @@ class Rebalancer:
     async def hand_over(self, to: str, n: int) -> None:
         """Close ``n`` streams, flush them and make the live session ``to`` their owner, one write each
         (a release then a claim would be two, and whichever peer claimed first would get them)."""
+        with self.ctx.tracer.span("hand_over", to=to, n=n) as span:
+            moved = await self._hand_over(to, n)
+            span.set(moved=moved)
+
+    async def _hand_over(self, to: str, n: int) -> int:
+        """``hand_over``; returns how many streams were moved (the rest were released)."""
         movable = [cid for cid, h in self.holdings.entries() if not h.releasing and h.conn is not None]
         picked = random.sample(movable, min(n, len(movable)))
         entries = [(cid, h) for cid in picked if (h := self.holdings.get(cid)) is not None]
@@ -141,7 +147,7 @@ class Rebalancer:
                                      lambda o: o is Outcome.RETRYABLE, until, clock)
             self.ctx.stats.inc("rebalance_moves_total", result=outcome.value)
             if outcome is Outcome.WON:
-                self.holdings.forget(cid, h)
+                self.holdings.forget(cid, h, "handed_over", handed_to=to)
             return outcome is Outcome.WON
 
         moved = await bounded(entries, self.ctx.cfg.lease.claim_concurrency, push)
@@ -158,6 +164,7 @@ class Rebalancer:
             await self.holdings.release(failed, hint=True)
         log.info("streams handed to a peer", extra={"to": to, "moved": len(entries) - len(failed),
                                                     "released": len(failed)})
+        return len(entries) - len(failed)
 
     async def _receive_loop(self) -> None:
         """While watching, adopt what peers handed us (``by_owner`` = our session) every second; also

@@ -25,6 +25,7 @@ from fleetd.shard.freeing import disown
 from fleetd.shard.holdings import Holdings
 from fleetd.shard.session import SessionKeeper
 from fleetd.shard.share import fair_share, mine_first
+from fleetd.tracing import Span
 
 log = logging.getLogger(__name__)
 STRAYS_EVERY = 12  # reconcile rounds between scans for items we own but do not hold
@@ -105,7 +106,14 @@ class Reconciler:
             self._wake.clear()
 
     async def _round(self, rounds: int) -> bool:
-        """One round; True when free items remain that we could take."""
+        """One round; True when free items remain that we could take.  Traced only when it moved
+        something (a quiet span: most rounds find nothing to do)."""
+        with self.ctx.tracer.span("reconcile_round", quiet=True, held=len(self.holdings)) as span:
+            more = await self._steps(rounds)
+            span.set(held_after=len(self.holdings), more=more)
+            return more
+
+    async def _steps(self, rounds: int) -> bool:
         if not self.session.may_claim():
             return False
         for old in self.session.previous():
@@ -156,6 +164,11 @@ class Reconciler:
         Dead means a tombstone, written by us now (``fate``) if the session is expired without one:
         an expired session read from an index may have renewed since, and a renewal landing late
         may extend it, but never past a tombstone."""
+        with self.ctx.tracer.span("takeover", quiet=True, dead_session=dead, shared=shared) as span:
+            return await self._take_over(dead, shared, span)
+
+    async def _take_over(self, dead: str, shared: bool, span: Span) -> bool:
+        """``take_over``; ``span`` records what it did (kept when it claimed, freed or forgot anything)."""
         leases = self.ctx.leases
         death = await leases.fate(dead)
         if death.fate is Fate.GONE:
@@ -171,6 +184,7 @@ class Reconciler:
         ids = await self._our_part(ids) if shared else ids[:room]
         limit = self.ctx.cfg.lease.claim_concurrency
         outcomes = await bounded(ids, limit, lambda cid: self.claimer.claim(cid, dead_owner=dead))
+        span.set(owned=backlog, tried=len(ids), claimed=sum(o is Outcome.WON for o in outcomes))
         if len(ids) < backlog and Outcome.WON in outcomes and self.holdings.free_capacity() > 0:
             self._dead_left = True  # our share taken, the rest is anyone's at the next step, soon
         # A claim loses on a STOPPED item, or one a peer took first: free those still the dead's (the
@@ -180,16 +194,23 @@ class Reconciler:
             still = set(await leases.items_of(dead))
             lost = [cid for cid in lost if cid in still]
         freed = await bounded(lost, limit, lambda cid: leases.free_stopped(cid, dead))
-        self.ctx.stats.inc("dead_session_stopped_freed_total", float(sum(o is Outcome.WON for o in freed)))
+        stopped_freed = sum(o is Outcome.WON for o in freed)
+        self.ctx.stats.inc("dead_session_stopped_freed_total", float(stopped_freed))
+        if stopped_freed:
+            span.set(stopped_freed=stopped_freed)
+            span.keep()
         if not leases.past_grace(death.dead_at_ms):
             return False  # keep looking until no late claim of the dead session can land
         if room == 0 and len(ids) < backlog:
-            await self._disown_unplaced(dead)
+            await self._disown_unplaced(dead, span)
         if await leases.items_of(dead, limit=1):
             return False
-        return await leases.delete_dead_session(dead) in (Outcome.WON, Outcome.LOST)  # LOST: a peer did
+        deleted = await leases.delete_dead_session(dead)
+        if deleted is Outcome.WON:
+            span.event("forgotten")
+        return deleted in (Outcome.WON, Outcome.LOST)  # LOST: a peer did
 
-    async def _disown_unplaced(self, dead: str) -> None:
+    async def _disown_unplaced(self, dead: str, span: Span) -> None:
         """Past its grace a dead session still owns items and we have no room for them: free them (with
         hints), so that they wait in the free index like any backlog and the session can be forgotten.
         Shards with room had the whole grace to claim them; a STOPPED one, which no claim takes, would
@@ -197,6 +218,8 @@ class Reconciler:
         left = [cid for cid in await self.ctx.leases.items_of(dead) if not self.holdings.busy(cid)]
         freed = await disown(self.ctx, left, dead)
         self.ctx.stats.inc("dead_session_unplaced_freed_total", float(len(freed)))
+        if freed:
+            span.event("unplaced_freed", count=len(freed))
 
     async def _disown_unclaimable(self, dead: str, ids: list[str]) -> None:
         """Items no claim fits, owned by a dead session: made free (owned by nobody, unhinted), so that

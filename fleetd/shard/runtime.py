@@ -22,7 +22,7 @@ from typing import Any
 import uvloop
 from picows import ws_connect
 
-from fleetd import exits, logs
+from fleetd import exits, logs, tracing
 from fleetd.aio import wait
 from fleetd.aws import Clients, Outcome, open_clients
 from fleetd.clock import Clock, SystemClock
@@ -46,11 +46,21 @@ from fleetd.shard.session import Identity, SessionHooks, SessionKeeper
 from fleetd.shard.tasks import Tasks
 from fleetd.sink import Sink
 from fleetd.stats import Stats
+from fleetd.tracing import Span, Tracer
 from fleetd.upstream import Connector
 
 log = logging.getLogger(__name__)
 Reporter = Callable[[dict[str, Any]], None]
 REPORT_S = 1.0  # the report loop's period
+# The traces of a shard that stops are exported within this, after its shutdown phases: its leases are
+# released by then, and a supervisor that kills it meanwhile costs only spans.
+TRACE_CLOSE_S = 2.0
+
+
+def env_tracer(who: Identity) -> Tracer:
+    """The shard's tracer from the standard ``OTEL_*`` settings (the null one without them).  Its batch
+    queue holds twice the shard's capacity: a shutdown ends every tenure at once."""
+    return tracing.from_env({"task_id": who.task_id, "shard": who.index}, queue_size=2048 + 2 * who.capacity)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +75,7 @@ class Environment:
     connect: Connector = ws_connect
     signals: bool = True  # install SIGTERM/SIGINT handlers (only on the main thread)
     nonce: Callable[[], str] = field(default=lambda: uuid.uuid4().hex[:12])
+    tracer: Callable[[Identity], Tracer] = env_tracer  # built in the shard process, once it runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +104,7 @@ class Components:
 
 
 def assemble(cfg: Config, clock: Clock, stats: Stats, clients: Clients, stopping: asyncio.Event,
-             who: Identity, connect: Connector) -> Components:
+             who: Identity, connect: Connector, tracer: Tracer = tracing.NULL) -> Components:
     """Wire the components: each is told what it needs by a small explicit call, none reads another's state.
     Callbacks name components assigned below them; they run only once the loops start."""
     tasks = Tasks()
@@ -105,7 +116,7 @@ def assemble(cfg: Config, clock: Clock, stats: Stats, clients: Clients, stopping
     sink = Sink(cfg, "", stats, clock, on_pressure=lambda high: holdings.on_pressure(high),
                 may_write=lambda cur: holdings.may_write(cur))
     hints = Hints(clients.sqs, cfg.aws.hints_queue, cfg.aws.hint_wait_s, stats)
-    ctx = Context(cfg, clock, stats, leases, sink, clients.sink_dynamodb, hints, stopping)
+    ctx = Context(cfg, clock, stats, leases, sink, clients.sink_dynamodb, hints, stopping, tracer)
     hooks = SessionHooks(fence_all=lambda reason: holdings.fence_all(reason), held_count=lambda: len(holdings),
                          opened=sink.set_session, replaced=lambda: reconciler.wake(),
                          handed=lambda until: rebalancer.watch_handed(until))
@@ -158,7 +169,10 @@ class Shard:
         self._install_signals()
         async with AsyncExitStack() as stack:
             clients = await self.env.open_clients(stack, self.cfg.aws)
-            parts = assemble(self.cfg, self.clock, self.stats, clients, self.stopping, self.who, self.env.connect)
+            tracer = self.env.tracer(self.who)
+            stack.push_async_callback(tracer.close, TRACE_CLOSE_S)  # after the shutdown, before the clients
+            parts = assemble(self.cfg, self.clock, self.stats, clients, self.stopping, self.who, self.env.connect,
+                             tracer)
             self.parts = parts
             try:
                 if not await boot(parts.ctx, clients.dynamodb, parts.session):
@@ -238,7 +252,7 @@ class Shutdown:
     offered to peers with room (one write each when taken, ``fleetd.shard.handoff``); what they did not
     take is released with hints, bounded by the budget and by our fence deadline; whatever is left is
     fenced, and our session ends (expired now) so that peers take over at once what we could not
-    release."""
+    release.  The whole is one trace span, each phase an event of it."""
 
     def __init__(self, parts: Components, budget_s: float) -> None:
         self.parts = parts
@@ -249,20 +263,24 @@ class Shutdown:
         clock = p.ctx.clock
         started = clock.monotonic()
         log.info("shutting down", extra={"held": len(p.holdings)})
-        draining = asyncio.ensure_future(self._phase(Phase("draining_mark", p.session.mark_draining, 1.0, quiet=True)))
-        deadline = min(p.session.deadline, p.items.next_deadline())
-        await self._phase(Phase("hand_over", p.handoff.run, max(0.5, min(self.budget_s / 2, OFFER_WAIT_S + 3.0,
-                                                                         deadline - started))))
-        release_s = max(0.5, min(self.budget_s - 2.0 - (clock.monotonic() - started), deadline - clock.monotonic()))
-        phases = (
-            Phase("release", lambda: p.holdings.release(p.holdings.ids(), hint=True), release_s),
-            Phase("fence_remaining", self._fence_remaining, 1.0),
-            Phase("draining_mark_done", lambda: draining, 1.5, quiet=True),
-            Phase("disown_strays", p.reconciler.disown_strays, 2.0, quiet=True),
-            Phase("end_session", p.session.end, 1.5, quiet=True),
-        )
-        for phase in phases:
-            await self._phase(phase)
+        with p.ctx.tracer.span("shutdown", session_id=p.session.session_id, held=len(p.holdings)) as span:
+            mark = Phase("draining_mark", p.session.mark_draining, 1.0, quiet=True)
+            draining = asyncio.ensure_future(self._phase(mark, span))
+            deadline = min(p.session.deadline, p.items.next_deadline())
+            hand_over_s = max(0.5, min(self.budget_s / 2, OFFER_WAIT_S + 3.0, deadline - started))
+            await self._phase(Phase("hand_over", p.handoff.run, hand_over_s), span)
+            release_s = max(0.5, min(self.budget_s - 2.0 - (clock.monotonic() - started),
+                                     deadline - clock.monotonic()))
+            phases = (
+                Phase("release", lambda: p.holdings.release(p.holdings.ids(), hint=True, reason="shutdown"),
+                      release_s),
+                Phase("fence_remaining", self._fence_remaining, 1.0),
+                Phase("draining_mark_done", lambda: draining, 1.5, quiet=True),
+                Phase("disown_strays", p.reconciler.disown_strays, 2.0, quiet=True),
+                Phase("end_session", p.session.end, 1.5, quiet=True),
+            )
+            for phase in phases:
+                await self._phase(phase, span)
         log.info("shard stopped", extra={"seconds": round(clock.monotonic() - started, 3)})
 
     async def _fence_remaining(self) -> None:
@@ -271,7 +289,7 @@ class Shutdown:
                         extra={"held": len(self.parts.holdings)})
         self.parts.holdings.fence_remaining()
 
-    async def _phase(self, phase: Phase) -> None:
+    async def _phase(self, phase: Phase, span: Span) -> None:
         clock = self.parts.ctx.clock
         started = clock.monotonic()
         outcome = "done"
@@ -282,8 +300,9 @@ class Shutdown:
         except Exception as e:
             outcome = f"failed: {type(e).__name__}: {e}"
         level = logging.INFO if outcome == "done" or phase.quiet else logging.WARNING
-        log.log(level, "shutdown phase", extra={"phase": phase.name, "outcome": outcome,
-                                                "seconds": round(clock.monotonic() - started, 3)})
+        seconds = round(clock.monotonic() - started, 3)
+        log.log(level, "shutdown phase", extra={"phase": phase.name, "outcome": outcome, "seconds": seconds})
+        span.event("phase", phase=phase.name, outcome=outcome, seconds=seconds)
 
 
 def main(cfg: Config, index: int = 0, reporter: Reporter | None = None, predecessor: str | None = None) -> int:

@@ -263,7 +263,7 @@ class SessionKeeper:
         effort: unwritten, the session expires and a peer writes it."""
         old = self.abandon_now(reason)
         if old is not None:  # None: already being replaced (heartbeat vs. watchdog)
-            await self._reopen(old)
+            await self._reopen(old, reason)
 
     def abandon_now(self, reason: str) -> str | None:
         """Fence every stream and give the session up, synchronously; its id, or None if already given up."""
@@ -273,11 +273,15 @@ class SessionKeeper:
         self.hooks.fence_all(reason)
         return old
 
-    async def _reopen(self, old: str) -> None:
-        async with self.replacing:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.ctx.leases.expire_session(old), self.ctx.cfg.aws.aws_timeout_s)
-            await self._open_replacement()
+    async def _reopen(self, old: str, reason: str) -> None:
+        """After an abandon: the old session's tombstone (best effort), then a new session.  One trace
+        span from the abandon's end to the new session (or the shard stopping)."""
+        with self.ctx.tracer.span("session_replace", old_session=old, reason=reason) as span:
+            async with self.replacing:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.ctx.leases.expire_session(old), self.ctx.cfg.aws.aws_timeout_s)
+                await self._open_replacement()
+            span.set(session_id="" if self.state.abandoned else self.state.session_id)
 
     def check_send(self) -> bool:
         """A send may go out under the session now.  Past the deadline before the fence loop's tick,
@@ -287,7 +291,7 @@ class SessionKeeper:
         old = self.abandon_now("send_deadline")
         if old is not None:
             self.ctx.stats.inc("self_fence_total")
-            self.tasks.spawn(self._reopen(old))
+            self.tasks.spawn(self._reopen(old, "send_deadline"))
         return False
 
     # ----- shutdown ----------------------------------------------------------------------------------

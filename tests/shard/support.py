@@ -29,6 +29,7 @@ from fleetd.lease import STOPPED, ConnItem, LeaseStore, SessionInfo
 from fleetd.shard.runtime import Components, assemble
 from fleetd.shard.session import Identity
 from fleetd.stats import Stats
+from fleetd.tracing import NULL, Attr, Tenure, Tracer
 from fleetd.upstream import Connector
 
 URL = "ws://upstream.test/{cid}"
@@ -96,6 +97,44 @@ class Upstreams:
 
     def open(self) -> list[str]:
         return [s.url for s in self.sockets if not s.is_disconnected]
+
+
+# ----- a tracer that records ----------------------------------------------------------------------------
+
+
+@dataclass
+class Recorded(Tenure):
+    """One tenure as the shard reported it: how it began, its events, and every end called on it."""
+
+    connection_id: str
+    session_id: str
+    epoch: int
+    resume_seq: int | None
+    attrs: dict[str, Attr]
+    events: list[tuple[str, dict[str, Attr]]] = field(default_factory=list)
+    ends: list[tuple[str, dict[str, Attr]]] = field(default_factory=list)
+
+    def event(self, name: str, **attrs: Attr) -> None:
+        self.events.append((name, attrs))
+
+    def end(self, reason: str, **attrs: Attr) -> None:
+        self.ends.append((reason, attrs))
+
+
+class Recorder(Tracer):
+    """The tenures a shard began, without OpenTelemetry (its spans are the null ones)."""
+
+    def __init__(self) -> None:
+        self.tenures: list[Recorded] = []
+
+    def tenure(self, connection_id: str, session_id: str, epoch: int, resume_seq: int | None,
+               **attrs: Attr) -> Tenure:
+        t = Recorded(connection_id, session_id, epoch, resume_seq, attrs)
+        self.tenures.append(t)
+        return t
+
+    def of(self, cid: str) -> list[Recorded]:
+        return [t for t in self.tenures if t.connection_id == cid]
 
 
 async def settle(rounds: int = 5) -> None:
@@ -217,7 +256,8 @@ def wrap(obj: Any, name: str, around: Callable[..., Awaitable[Any]]) -> None:
 
 
 @asynccontextmanager
-async def rig(cfg: Config, capacity: int = 10, echo_close: bool = True, **overrides: Any) -> AsyncIterator[Rig]:
+async def rig(cfg: Config, capacity: int = 10, echo_close: bool = True, tracer: Tracer = NULL,
+              **overrides: Any) -> AsyncIterator[Rig]:
     """One shard's components on ``fast(cfg, **overrides)``, a ManualClock at the real wall time, and fake
     upstreams.  Session ids are ``task/0/n1``, ``task/0/n2``… in the order sessions are opened."""
     c = fast(cfg, **overrides)
@@ -229,7 +269,7 @@ async def rig(cfg: Config, capacity: int = 10, echo_close: bool = True, **overri
         clients = await open_clients(stack, c.aws, AIO)
         parts = assemble(c, clock, stats, clients, asyncio.Event(), Identity("task", 0, capacity,
                                                                              lambda: f"n{next(nonces)}"),
-                         cast(Connector, ups.connect))  # a fake picows transport
+                         cast(Connector, ups.connect), tracer)  # a fake picows transport
         await parts.ctx.hints.resolve()
         try:
             yield Rig(c, clock, stats, clients, parts, ups)

@@ -14,8 +14,9 @@ from fleetd.aws import Outcome
 from fleetd.config import Config
 from fleetd.lease import ClaimResult, ConnItem
 from fleetd.shard.holdings import Held, Holdings, resume_point
+from fleetd.tracing import Attr
 from tests.helpers import arun
-from tests.shard.support import Rig, rig, settle
+from tests.shard.support import Recorder, Rig, rig, settle
 
 
 def item(cid: str, epoch: int = 1, url: str = "ws://upstream.test/x", last_seq: int = -1) -> ConnItem:
@@ -65,7 +66,7 @@ def test_adopt_lose_forget_fence_all_keep_held_and_cursors_consistent(tables: Co
             assert r.count("lease_lost_total", reason="test") == 1
             consistent(h, records)
 
-            h.forget("b", records["b"])
+            h.forget("b", records["b"], "released")
             assert "b" not in h
             consistent(h, records)
 
@@ -74,7 +75,7 @@ def test_adopt_lose_forget_fence_all_keep_held_and_cursors_consistent(tables: Co
             h.adopt("c", won(item("c", epoch=3)))
             newer = h.get("c")
             assert newer is not None
-            h.forget("c", records["c"])
+            h.forget("c", records["c"], "released")
             assert h.get("c") is newer and newer.cursor.active
             records["c2"] = newer
 
@@ -133,7 +134,7 @@ def test_may_write_only_a_held_streams_current_cursor_under_a_live_session(table
             assert a is not None and b is not None
             assert h.may_write(a.cursor) and h.may_write(b.cursor)
 
-            h.forget("b", b)  # released
+            h.forget("b", b, "released")
             assert not h.may_write(b.cursor)
             h.fence("a", "test")
             h.adopt("a", won(item("a", epoch=2)))
@@ -208,7 +209,7 @@ def test_restart_opens_no_socket_for_a_stream_that_left_during_the_close(tables:
             if exit_ == "lose":
                 h.fence("a", "test")
             elif exit_ == "forget":
-                h.forget("a", rec)
+                h.forget("a", rec, "released")
             else:
                 rec.releasing = True
             sock.disconnect()  # the echo
@@ -277,5 +278,83 @@ def test_release_of_a_stream_taken_meanwhile_does_not_free_it(tables: Config) ->
             assert await r.owner("a") == "peer"
             assert r.count("lease_releases_total", result="lost") == 1
             assert await r.queued_hints() == 0, "a stream we did not free is not hinted"
+
+    arun(body())
+
+
+def test_every_way_in_and_out_of_held_begins_and_ends_exactly_one_tenure(tables: Config) -> None:
+    """The tenures the tracer is told of (fleetd.tracing): one per record, begun by ``adopt`` with the
+    lease it was claimed at, ended by whatever removed the record, with why."""
+    async def body() -> None:
+        rec = Recorder()
+        async with rig(tables, echo_close=True, tracer=rec) as r:
+            me = await r.open()
+            h = r.parts.holdings
+            await r.put_items("claimed", "stopped")
+            assert await r.parts.claimer.claim("claimed", source="hint") is Outcome.WON
+            assert await r.parts.claimer.claim("stopped") is Outcome.WON
+            for cid in ("self", "taken", "handed", "moved", "left"):
+                h.adopt(cid, won(item(cid, epoch=3, last_seq=9)))
+            await settle()
+            (claimed,) = rec.of("claimed")
+            assert (claimed.session_id, claimed.epoch, claimed.resume_seq) == (me, 1, None)
+            assert claimed.attrs == {"source": "hint"}
+            (left,) = rec.of("left")
+            assert (left.epoch, left.resume_seq, left.attrs) == (3, 9, {"source": "reconcile"})
+
+            h.fence("self", "self_fence")
+            h.fence("taken", "taken")
+            handed = h.get("handed")
+            assert handed is not None
+            handed.cursor.last_seq = 15
+            h.forget("handed", handed, "handed_over", handed_to="peer/0/x")
+            await h.release(["claimed"], hint=False, reason="shutdown")
+            await h.release(["stopped"], hint=False, reason="stopped")
+            moved = h.get("moved")
+            assert moved is not None
+            await h.restart("moved", moved, item("moved", epoch=3, url="ws://upstream.test/new"))
+            h.fence_remaining()  # "moved" and "left" are still held: shutdown out of time
+            left_rec = h.get("left")
+            assert left_rec is not None
+            h.forget("left", left_rec, "released")  # after the fact: the tenure has ended already
+
+            def first_end(cid: str) -> tuple[str, dict[str, Attr]]:
+                (t,) = rec.of(cid)
+                return t.ends[0]
+
+            assert first_end("self") == ("fenced", {"last_seq": 9, "fence_reason": "self_fence"})
+            assert rec.of("self")[0].events == [("self_fence", {"reason": "self_fence"})]
+            assert first_end("taken") == ("fenced", {"last_seq": 9, "fence_reason": "taken"})
+            assert rec.of("taken")[0].events == [], "a lease known lost is no self-fence"
+            assert first_end("handed") == ("handed_over", {"last_seq": 15, "handed_to": "peer/0/x"})
+            assert first_end("claimed") == ("shutdown", {"last_seq": -1, "release_result": "won"})
+            assert first_end("stopped") == ("stopped", {"last_seq": -1, "release_result": "won"})
+            assert rec.of("moved")[0].events == [("restart", {})]
+            assert first_end("moved") == ("unreleased", {"last_seq": 9})
+            assert first_end("left") == ("unreleased", {"last_seq": 9})
+            once = [t.connection_id for t in rec.tenures if len(t.ends) != 1]
+            assert once == ["left"], f"ended more than once, or never: {once}"
+            assert len(rec.tenures) == 7
+
+    arun(body())
+
+
+def test_a_session_given_up_ends_every_tenure_as_a_self_fence_and_a_takeover_names_its_dead_session(
+        tables: Config) -> None:
+    async def body() -> None:
+        rec = Recorder()
+        async with rig(tables, tracer=rec) as r:
+            await r.open()
+            await r.put_items("x", "y")
+            await r.claim_as("dead/0/z", "x")
+            assert await r.parts.claimer.claim("x", dead_owner="dead/0/z") is Outcome.WON
+            assert await r.parts.claimer.claim("y") is Outcome.WON
+            assert rec.of("x")[0].attrs == {"source": "reconcile", "taken_from": "dead/0/z"}
+            assert rec.of("x")[0].epoch == 2, "the dead session's claim, then ours"
+            assert r.parts.session.abandon_now("self_fence") is not None
+            for cid in "xy":
+                (t,) = rec.of(cid)
+                assert t.events == [("self_fence", {"reason": "self_fence"})]
+                assert [reason for reason, _ in t.ends] == ["fenced"]
 
     arun(body())
