@@ -191,21 +191,36 @@ class LeaseStore:
 
     async def claim(self, connection_id: str, me: str, dead_owner: str | None = None) -> ClaimResult:
         """Take a free/expired item, or one owned by ``dead_owner`` (a session with a tombstone)."""
-        sent_at = self.clock.monotonic()
         now = self.clock.now_ms()
         cond = "attribute_not_exists(lease_expires_at_ms) OR lease_expires_at_ms < :t"
-        values = {":started": _s(STARTED), ":t": _n(now - self.skew_ms), ":me": _s(me),
-                  ":exp": _n(self._claim_expiry()), ":one": _n(1), ":now": _n(now)}
+        values = {":t": _n(now - self.skew_ms)}
         if dead_owner:
             cond += " OR lease_owner = :dead"
             values[":dead"] = _s(dead_owner)
+        return await self._take_item(connection_id, me, "", f"({cond})", values)
+
+    async def take(self, connection_id: str, me: str, offered_by: str, epoch: int, last_seq: int) -> ClaimResult:
+        """Take a stream a stopping session offered (it closed and flushed it; see ``mark_offering``): one
+        write, conditioned on that owner and epoch, recording the offer's ``last_seq`` (none for -1)."""
+        values = {":from": _s(offered_by), ":epoch": _n(epoch)}
+        return await self._take_item(connection_id, me, _set_seq(values, last_seq),
+                                     "lease_owner = :from AND lease_epoch = :epoch", values)
+
+    async def _take_item(self, connection_id: str, me: str, also_set: str, cond: str,
+                         values: dict[str, Any]) -> ClaimResult:
+        """The one conditional write that makes ``me`` a STARTED item's owner (claim or take), and what
+        its answer proves; ``also_set`` is more of the SET clause (``x = :x, ``), ``cond`` the rest of the
+        condition and ``values`` its values."""
+        sent_at = self.clock.monotonic()
+        values = {**values, ":started": _s(STARTED), ":me": _s(me), ":exp": _n(self._claim_expiry()),
+                  ":one": _n(1), ":now": _n(self.clock.now_ms())}
         outcome, resp = await self._write(
             "UpdateItem",
             TableName=self.conns,
             Key={"connection_id": _s(connection_id)},
-            UpdateExpression="SET lease_owner = :me, lease_expires_at_ms = :exp, updated_at_ms = :now "
+            UpdateExpression=f"SET lease_owner = :me, lease_expires_at_ms = :exp, {also_set}updated_at_ms = :now "
                              "ADD lease_epoch :one",
-            ConditionExpression=f"desired_state = :started AND ({cond})",
+            ConditionExpression=f"desired_state = :started AND {cond}",
             ExpressionAttributeValues=values,
             ReturnValues="ALL_NEW",
         )
@@ -218,29 +233,6 @@ class LeaseStore:
             # (ADD on a non-numeric lease_epoch …).  Nothing was written; no claim of it can succeed.
             return ClaimResult(Outcome.FATAL, None, str(resp["error"]), bad_item=True, sent_at=sent_at)
         # The SDK retried (or gave up): our first attempt may have succeeded with its answer lost.
-        return await self._check_claim(connection_id, me, outcome, resp, sent_at)
-
-    async def take(self, connection_id: str, me: str, offered_by: str, epoch: int, last_seq: int) -> ClaimResult:
-        """Take a stream a stopping session offered (it closed and flushed it; see ``mark_offering``): one
-        write, conditioned on that owner and epoch, recording the offer's ``last_seq`` (none for -1)."""
-        sent_at = self.clock.monotonic()
-        now = self.clock.now_ms()
-        values = {":started": _s(STARTED), ":from": _s(offered_by), ":epoch": _n(epoch), ":me": _s(me),
-                  ":exp": _n(self._claim_expiry()), ":one": _n(1), ":now": _n(now)}
-        outcome, resp = await self._write(
-            "UpdateItem",
-            TableName=self.conns,
-            Key={"connection_id": _s(connection_id)},
-            UpdateExpression=f"SET lease_owner = :me, lease_expires_at_ms = :exp, {_set_seq(values, last_seq)}"
-                             "updated_at_ms = :now ADD lease_epoch :one",
-            ConditionExpression="desired_state = :started AND lease_owner = :from AND lease_epoch = :epoch",
-            ExpressionAttributeValues=values,
-            ReturnValues="ALL_NEW",
-        )
-        if outcome is Outcome.WON:
-            return self._claimed(resp["Attributes"], sent_at)
-        if outcome is Outcome.LOST and not _was_retried(resp):
-            return ClaimResult(Outcome.LOST, sent_at=sent_at)
         return await self._check_claim(connection_id, me, outcome, resp, sent_at)
 
     def _claimed(self, attrs: dict[str, Any], sent_at: float) -> ClaimResult:
