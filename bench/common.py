@@ -161,6 +161,15 @@ class Context:
                 "throttled": sum(refused.values()),
                 "throttled_keys": {short_key(k, tables): n for k, n in refused.most_common(3)}}
 
+    def writes_per_stream(self, since: float, until: float, tables: Tables, ids: list[str]) -> dict[str, Any]:
+        """Writes on the connections table per stream of ``ids`` in ``[since, until]`` (monotonic): what
+        moving each cost (claims, takes, releases, pushes, checkpoints; failed conditional writes too)."""
+        assert self.meter is not None
+        counts = self.meter.item_writes(tables.connections, since, until)
+        per = [counts.get(cid, 0) for cid in ids]
+        return {"mean": round(sum(per) / len(per), 3) if per else None, "max": max(per, default=None),
+                "streams": len(per)}
+
     def upstreams(self, count: int, rate: float, size: int = 200) -> UpstreamPool:
         self.upstream_count += count
         pool = UpstreamPool([UpstreamProc(self.logs, rate=rate, size=size, name=f"upstream-{self.upstream_count - i}")

@@ -145,6 +145,7 @@ def run_trial(ctx: Context, fleet: Fleet, event: str) -> dict[str, Any]:
     recovered = wait_recovered(fleet.pool, before, RECOVERY_TIMEOUT_S[event], watch.poll)
     times = sorted(t - t0 for t in recovered.values())
     hot = ctx.hot_keys(t0, time.monotonic(), fleet.tables) if ctx.meter_keys else None
+    writes = ctx.writes_per_stream(t0, time.monotonic(), fleet.tables, affected) if ctx.meter_keys else None
     restart(ctx, fleet, victim, event)
     settle(ctx, fleet)
     verdict = check(audit_range(fleet.tables, floor), fleet.pool.streams(), margin_ms=2000)
@@ -155,6 +156,7 @@ def run_trial(ctx: Context, fleet: Fleet, event: str) -> dict[str, Any]:
         "missing_seqs": verdict.missing_seqs, "double_streaming": len(verdict.overlaps),
         "recovery_times_s": [round(t, 3) for t in times], "cpu_cores": watch.cores(),
         **({"hot_keys": hot} if hot is not None else {}),
+        **({"writes_per_stream": writes} if writes is not None else {}),
     }
 
 
@@ -283,6 +285,12 @@ def summarize(trials: list[dict[str, Any]], events: tuple[str, ...]) -> dict[str
         hot = [t["hot_keys"] for t in rows if "hot_keys" in t]
         if hot:
             out[event]["hot_keys"] = hottest(hot)
+        writes = [t["writes_per_stream"] for t in rows if t.get("writes_per_stream", {}).get("streams")]
+        if writes:
+            streams = sum(w["streams"] for w in writes)
+            out[event]["writes_per_stream"] = {
+                "mean": round(sum(w["mean"] * w["streams"] for w in writes) / streams, 3),
+                "max": max(w["max"] for w in writes)}
     return out
 
 

@@ -291,6 +291,9 @@ class MeteringProxy(FaultProxy):
         self.hot = HotKeys()
         self.shadow: dict[tuple[str, str], Known] = {}  # (table, item id) → its index key attributes
         self._shadow_lock = threading.Lock()  # the proxy's loop and prime() (another thread) share it
+        # (time, base key) of every single-item write that wrote or failed its condition: what a
+        # hand-over cost per stream (a failed conditional write is billed too).
+        self._item_writes: list[tuple[float, str]] = []
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         body = await request.read()
@@ -317,6 +320,13 @@ class MeteringProxy(FaultProxy):
             del resp["Attributes"]  # the client did not ask for them
             return _response(up, orjson.dumps(resp))
         return _response(up)
+
+    def item_writes(self, table: str, since: float, until: float) -> collections.Counter[str]:
+        """Single-item writes (done or failed their condition) per partition key value of ``table`` in
+        ``[since, until]`` (the proxy's clock)."""
+        prefix = key_label(table, None, "")
+        return collections.Counter(key[len(prefix):] for at, key in list(self._item_writes)
+                                   if since <= at <= until and key.startswith(prefix))
 
     def _ask_old(self, op: str, req: dict[str, Any]) -> bool:
         """Add ``ReturnValues=ALL_OLD`` to a write on a table with GSIs that asks for no return values."""
@@ -352,6 +362,8 @@ class MeteringProxy(FaultProxy):
             elif failed_condition:
                 for w in self._writes(op, req, None):
                     self.hot.charge("write", w.base_key(), 1.0, at)
+            if op in _SINGLE_WRITES and (status < 300 or failed_condition):
+                self._item_writes += [(at, w.base_key()) for w in self._writes(op, req, None)]
         elif op in _READS:
             usage.read_units = units
             if status < 300:

@@ -287,7 +287,8 @@ HOT_KEYS_NOTE = ("Per key value (a base table's partition key value, or a GSI's 
 def failover_hot_keys(res: dict[str, Any]) -> str:
     """The hottest key's busiest second per event, when the run metered keys (``--meter-keys``)."""
     rows = [[system, event, hot_key(s["hot_keys"]["writes"]), hot_key(s["hot_keys"]["reads"]),
-             s["hot_keys"]["throttled"] if res[system].get("throttle_keys") else "off"]
+             s["hot_keys"]["throttled"] if res[system].get("throttle_keys") else "off",
+             _writes_per_stream(s.get("writes_per_stream"))]
             for system in ("fleetd", "baseline") for event, s in res.get(system, {}).get("summary", {}).items()
             if "hot_keys" in s]
     if not rows:
@@ -296,8 +297,14 @@ def failover_hot_keys(res: dict[str, Any]) -> str:
     return ("\n\nHottest key from the event until the last affected stream recovered, its busiest second over "
             "the trials (the systems talked to DynamoDB through the metering proxy in this run). "
             + HOT_KEYS_NOTE + "\n\n"
+            + "Writes per stream moved: single-item writes on the connections table (done or failed their "
+            "condition) per affected stream, from the event until the last affected stream recovered.\n\n"
             + table(["system", "event", "hottest key peak writes/s (key)", "hottest key peak reads/s (key)",
-                     "throttled requests"], rows))
+                     "throttled requests", "writes per stream moved (mean / max)"], rows))
+
+
+def _writes_per_stream(w: dict[str, Any] | None) -> str:
+    return "–" if not w else f"{fmt(w['mean'])} / {w['max']}"
 
 
 def plot_failover(out: Path, res: dict[str, Any]) -> None:

@@ -160,6 +160,9 @@ def test_a_failed_conditional_write_is_charged_one_unit_to_its_key(make: Callabl
     assert m.proxy.hot.units("write", 500.0) == {m.base("a"): 1.0}  # nothing moved in the index
     puts = m.proxy.tally.snapshot()[("PutItem", m.table)]
     assert (puts.calls, puts.errors, puts.write_units) == (2, 1, 2.0)  # the put that won, and the one refused
+    # Writes per item (what a hand-over cost a stream): both puts of "a", the refused one included.
+    assert m.proxy.item_writes(m.table, 0.0, 1000.0) == {"a": 2}
+    assert m.proxy.item_writes(m.table, 500.0, 500.5) == {"a": 1}
 
 
 def test_queries_and_gets_charge_read_units_to_the_key_they_name(make: Callable[..., Metered]) -> None:
