@@ -91,6 +91,11 @@ def test_the_image_builds_streams_as_non_root_and_stops_cleanly(
     env = container_env(stack, cfg, port)
     check = podman_run(built, env, "init", "--check")
     assert check.returncode == 0, f"init --check in the image: {check.stdout}{check.stderr}"
+    # The tracing extra is in the image (deploy/fleetd.yaml's Tracing=enabled needs nothing more).
+    otel = image.podman("run", "--rm", "--entrypoint", "python", *image.podman_run_options(), built, "-c",
+                        "import opentelemetry.sdk.trace, opentelemetry.exporter.otlp.proto.http.trace_exporter",
+                        check=False, capture=True, timeout=120)
+    assert otel.returncode == 0, f"fleetd[otel] in the image: {otel.stdout}{otel.stderr}"
 
     up = UpstreamProc(tmp_path, rate=4.0, size=120)
     image.podman("rm", "-f", NAME, check=False, capture=True)
