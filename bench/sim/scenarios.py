@@ -552,6 +552,60 @@ def _term_handoff_setup(w: World) -> None:
     w.sched.at(START + 6.0, term)
 
 
+# ----- adversarial review of f7386cd..287fc49 (renewals, hedged heartbeat, SIGTERM offers) ---------------
+
+
+def _victim(w: World) -> tuple[object, list[str]]:
+    """The running shard holding the most streams, and those streams."""
+    shards = w.running_shards()
+    held = {p.name: sorted(cid for cid, recs in w.checker.open.items() for r in recs if r.proc == p.name)
+            for p in shards}
+    victim = max(shards, key=lambda p: (len(held[p.name]), p.name))
+    return victim, held[victim.name]
+
+
+def _term_pause_setup(w: World) -> None:
+    """SIGTERM at START+6 s to the shard holding the most streams; the moment its hand-over phase sends the
+    BatchGetItem of peers' loads (``Handoff._peer_with_room``, before ``quiesce`` closes anything) it is
+    SIGSTOPped for 2 x TTL, then SIGCONTed (its SIGKILL is due budget + 5 s after the SIGTERM, later).
+    At SIGTERM the heartbeat and fence loops end, so nothing renews or fences the session any more; peers
+    declare it dead and take its streams over during the pause.  On SIGCONT the hand-over resumes and
+    closes its still-open sockets politely (CLOSE, wait for the echo): the peer and the resumed shard both
+    hold a socket while time passes (one_streamer_socket).  The old shutdown sent CLOSE in the SIGTERM's
+    own instant; the hand-over now keeps the sockets open across two DynamoDB round trips first."""
+    sessions = w.cfg.aws.sessions_table
+    st: dict[str, object] = {"victim": None, "paused": False}
+
+    def term() -> None:
+        victim, cids = _victim(w)
+        st["victim"] = victim
+        w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
+        w.term(victim, replace_after=60.0)  # type: ignore[arg-type]
+
+    def watch(req: Request) -> None:
+        victim = st["victim"]
+        if (victim is None or st["paused"] or req.op != "BatchGetItem"
+                or req.proc != victim.name or sessions not in req.params.get("RequestItems", {})):  # type: ignore[attr-defined]
+            return
+        st["paused"] = True
+        w.say("scenario: the stopping shard reads peers' loads for its hand-over; SIGSTOP it")
+        w.sched.at(w.vt.now + 0.0005, lambda: w.pause(victim, 2 * w.cfg.lease.lease_ttl_s))  # type: ignore[arg-type]
+
+    w.net.on_send.append(watch)
+    w.sched.at(START + 6.0, term)
+
+
+def _term_pause_fixed_setup(w: World) -> None:
+    """As ``term_pause``, but the SIGSTOP comes at a fixed 5 ms after the SIGTERM (for comparison with the
+    shutdown before 287fc49, which had closed its sockets 2 ms after the SIGTERM)."""
+    def term() -> None:
+        victim, cids = _victim(w)
+        w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
+        w.term(victim, replace_after=60.0)  # type: ignore[arg-type]
+        w.sched.at(w.vt.now + 0.005, lambda: w.pause(victim, 2 * w.cfg.lease.lease_ttl_s))  # type: ignore[arg-type]
+    w.sched.at(START + 6.0, term)
+
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("calm", "no request faults and no lifecycle events", calm),
     Scenario("unsafe_skew", "one shard's clock far beyond safety_margin_s (SPEC: voids the guarantee)", _unsafe_skew),
@@ -576,6 +630,10 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              _term_handoff, _term_handoff_setup),
     Scenario("rewound_renewal", "a renewal applied again after later ones would set the expiry back",
              _rewound_renewal, _rewound_renewal_setup),
+    Scenario("term_pause", "review: SIGSTOP during the SIGTERM hand-over's load read, SIGCONT after peers took over",
+             _term_handoff, _term_pause_setup),
+    Scenario("term_pause_fixed", "review: as term_pause, the SIGSTOP 5 ms after the SIGTERM",
+             _term_handoff, _term_pause_fixed_setup),
 )}
 
 
