@@ -606,6 +606,83 @@ def _term_pause_fixed_setup(w: World) -> None:
     w.sched.at(START + 6.0, term)
 
 
+def _term_fuzz(p: Params) -> None:
+    """The seed's own fault mix and events, in session mode with the CI timings, and two SIGTERMs."""
+    session_mode(p, tasks=max(2, p.tasks), spt=p.shards_per_task)
+    fast(p, lease_mode="session", rebalance_s=p.cfg.lease.rebalance_s, max_connections_per_shard=700)
+    p.conns = max(p.conns, 8)
+    p.first_seqs = [1] * len(p.first_seqs)
+
+
+def _term_fuzz_defaults(p: Params) -> None:
+    """As ``term_fuzz`` with fleetd's default session timings (TTL 6 s, heartbeat 1.5 s, margin 2 s)."""
+    session_mode(p, tasks=max(2, p.tasks), spt=p.shards_per_task)
+    p.cfg = config.replace(p.cfg, lease_mode="session", lease_ttl_s=6.0, heartbeat_s=1.5, safety_margin_s=2.0,
+                           reconcile_s=5.0, desired_state_s=10.0, desired_sweep_s=60.0, aws_timeout_s=5.0,
+                           dead_session_grace_s=60.0, shutdown_budget_s=20.0, hint_wait_s=5, backoff_max_s=5.0)
+    half = int(p.cfg.lease.safety_margin_s * 500)
+    p.skews_ms = [max(-half, min(half, s)) for s in p.skews_ms]
+    p.conns = max(p.conns, 8)
+    p.first_seqs = [1] * len(p.first_seqs)
+    p.faults_until = max(p.faults_until, 20.0)
+
+
+def _term_fuzz_setup(w: World) -> None:
+    """SIGTERM the busiest shard at START+3 s and again at START+7 s (replaced 1 s later), under the seed's faults."""
+    def term() -> None:
+        if len(w.running_shards()) > 1:
+            victim, cids = _victim(w)
+            w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
+            w.term(victim, replace_after=1.0)  # type: ignore[arg-type]
+    w.sched.at(START + 3.0, term)
+    w.sched.at(START + 7.0, term)
+
+
+FORGED_AHEAD = 40
+"""How far past what is durable the forged OFFER's last_seq points."""
+
+
+def _forged_offer_setup(w: World) -> None:
+    """At START+6 s the shard holding the most streams is SIGKILLed; its supervisor expires its session (a
+    tombstone) and does not restart it.  At once (and again 0.3 s later) an OFFER naming that dead session is sent (by any process
+    that may send to the hints queue: here the ctl process) for each of its streams, with the item's current
+    epoch and a ``last_seq`` 40 past the highest seq durable.  ``offers_open`` is true for a session with a
+    tombstone, the take's condition (owner = the dead session, that epoch, STARTED) holds, and the take
+    writes the hint's ``last_seq`` into the item: the peer resumes after it (checkpoint_ahead; the
+    skipped seqs are never written: lost_seq).  A START or DEAD_SESSION hint can only make a peer try a
+    claim; an OFFER writes data taken from the message."""
+    conns, sessions = w.cfg.aws.connections_table, w.cfg.aws.sessions_table
+
+    def crash() -> None:
+        victim, cids = _victim(w)
+        sid = victim.shard.session_id  # type: ignore[attr-defined]
+        w.say(f"scenario: {victim.name} (session {sid}) crashes holding {cids}; buried, not restarted")  # type: ignore[attr-defined]
+        w.crash(victim, restart=False)  # type: ignore[arg-type]
+        assert w.ctl is not None and w.ctl.clients is not None
+        clients = w.ctl.clients
+
+        async def forge() -> None:
+            await LeaseStore(clients.dynamodb, w.cfg.aws, w.cfg.lease, SimClock(w.vt, 0)).expire_session(sid)
+            offers = []
+            for cid in cids:
+                item = w.dynamo.handle("GetItem", {"TableName": conns, "ConsistentRead": True,
+                                                   "Key": {"connection_id": {"S": cid}}})["Item"]
+                top = w.checker.contiguous.get(cid, w.first_seq.get(cid, 0) - 1)
+                offers.append([cid, int(item["lease_epoch"]["N"]), top + FORGED_AHEAD])
+            url = (await clients.sqs.get_queue_url(QueueName=w.cfg.aws.hints_queue))["QueueUrl"]
+            body = json.dumps({"type": "OFFER", "session_id": sid, "offers": offers})
+            for wave in range(2):  # the dead shard's own long poll, still open, may swallow the first
+                if wave:
+                    await asyncio.sleep(0.3)
+                await clients.sqs.send_message(QueueUrl=url, MessageBody=body)
+                w.say(f"scenario: forged OFFER sent (wave {wave + 1}): {body}")
+
+        w.ctl.loop.create_task(forge())
+
+    _ = sessions
+    w.sched.at(START + 6.0, crash)
+
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("calm", "no request faults and no lifecycle events", calm),
     Scenario("unsafe_skew", "one shard's clock far beyond safety_margin_s (SPEC: voids the guarantee)", _unsafe_skew),
@@ -632,6 +709,12 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              _rewound_renewal, _rewound_renewal_setup),
     Scenario("term_pause", "review: SIGSTOP during the SIGTERM hand-over's load read, SIGCONT after peers took over",
              _term_handoff, _term_pause_setup),
+    Scenario("term_fuzz", "review: the seed's faults and events, session mode, two SIGTERMs of the busiest shard",
+             _term_fuzz, _term_fuzz_setup),
+    Scenario("term_fuzz_defaults", "review: term_fuzz with the default session timings (6 / 1.5 / 2 s)",
+             _term_fuzz_defaults, _term_fuzz_setup),
+    Scenario("forged_offer", "review: an OFFER naming a dead session, its last_seq ahead of what is durable",
+             _term_handoff, _forged_offer_setup),
     Scenario("term_pause_fixed", "review: as term_pause, the SIGSTOP 5 ms after the SIGTERM",
              _term_handoff, _term_pause_fixed_setup),
 )}
