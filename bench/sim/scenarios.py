@@ -683,6 +683,64 @@ def _forged_offer_setup(w: World) -> None:
     w.sched.at(START + 6.0, crash)
 
 
+def _offer_poisoned(p: Params) -> None:
+    _term_handoff(p)
+    p.conns = 8
+
+
+def _offer_poisoned_setup(w: World) -> None:
+    """One more item, c08, carries ``last_seq = 1.5`` (a number fleetd cannot parse: written by another
+    client of the schema, SPEC §7).  Its claim succeeds, the answer is unreadable and the shard holds it
+    parked (``Holdings.adopt``), as a record with epoch 0.  At START+6 s the shard holding c08 is
+    SIGTERMed: its hand-over offers c08 with epoch 0 in the same OFFER message as up to nine healthy
+    streams; every receiver parses the message as malformed (``hints._offers``: an epoch below 1 makes the
+    whole list invalid) and deletes it, so none of those streams is taken: they wait out ``OFFER_WAIT_S``
+    and the release phase (``handoff_slow``: not streamed again 1 s after the SIGTERM)."""
+    conns = w.cfg.aws.connections_table
+    cid = f"c{w.p.conns:02d}"
+    st: dict[str, object] = {"at": 0.0, "cids": []}
+
+    def create() -> None:
+        assert w._create_item(direct=True) == cid
+        w.dynamo.handle("UpdateItem", {"TableName": conns, "Key": {"connection_id": {"S": cid}},
+                                       "UpdateExpression": "SET last_seq = :bad",
+                                       "ExpressionAttributeValues": {":bad": {"N": "1.5"}}})
+        w.say(f"scenario: {cid} created with last_seq = 1.5")
+
+    def term() -> None:
+        owner = w.dynamo.handle("GetItem", {"TableName": conns, "ConsistentRead": True,
+                                            "Key": {"connection_id": {"S": cid}}})["Item"]
+        sid = owner.get("lease_owner", {}).get("S", "")
+        holders = [p for p in w.running_shards() if p.shard is not None and p.shard.session_id == sid]
+        if not holders:
+            w.say(f"scenario: nobody holds {cid}")
+            return
+        victim = holders[0]
+        streams = sorted(c for c, recs in w.checker.open.items() for r in recs if r.proc == victim.name)
+        st["at"], st["cids"] = w.vt.now, streams
+        w.say(f"scenario: SIGTERM {victim.name}, holding {cid} parked and streaming {streams}")
+        w.term(victim, replace_after=60.0)
+        w.sched.at(w.vt.now + HANDOFF_S, judge)
+
+    def judge() -> None:
+        running = {p.name for p in w.running_shards()}
+        cids = list(st["cids"])  # type: ignore[call-overload]
+        slow = [c for c in cids if not any(r.proc in running for r in w.checker.open.get(c, []))]
+        if slow:
+            w.checker.fail("handoff_slow", f"{len(slow)} of {len(cids)} healthy streams of the SIGTERMed shard "
+                                           f"not streamed {HANDOFF_S} s later: {slow}")
+
+    def repair() -> None:  # the operator fixes c08 (and starts it again): whoever holds it parked streams it
+        w.dynamo.handle("UpdateItem", {"TableName": conns, "Key": {"connection_id": {"S": cid}},
+                                       "UpdateExpression": "REMOVE last_seq"})
+        w.say(f"scenario: {cid} repaired (last_seq removed); ctl start")
+        w.ctl_start(cid)
+
+    w.sched.at(START + 0.1, create)
+    w.sched.at(START + 6.0, term)
+    w.sched.at(START + 12.0, repair)
+
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("calm", "no request faults and no lifecycle events", calm),
     Scenario("unsafe_skew", "one shard's clock far beyond safety_margin_s (SPEC: voids the guarantee)", _unsafe_skew),
@@ -715,6 +773,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              _term_fuzz_defaults, _term_fuzz_setup),
     Scenario("forged_offer", "review: an OFFER naming a dead session, its last_seq ahead of what is durable",
              _term_handoff, _forged_offer_setup),
+    Scenario("offer_poisoned", "review: a parked (unreadable) stream's epoch-0 offer makes its whole OFFER message malformed",
+             _offer_poisoned, _offer_poisoned_setup),
     Scenario("term_pause_fixed", "review: as term_pause, the SIGSTOP 5 ms after the SIGTERM",
              _term_handoff, _term_pause_fixed_setup),
 )}
