@@ -741,6 +741,57 @@ def _offer_poisoned_setup(w: World) -> None:
     w.sched.at(START + 12.0, repair)
 
 
+def _offer_replay(p: Params) -> None:
+    _term_handoff(p)
+    p.tasks = 3
+
+
+def _offer_replay_setup(w: World) -> None:
+    """Held (a guard): the SIGTERMed shard's OFFER messages are captured and sent again (by the ctl process)
+    0.3 s, 3 s and 8 s later: after the takes, after a second SIGTERM (at START+9 s, of the shard that took the
+    most of them) handed them on again at a new epoch, and after that shard's session ended.  Every replay
+    must fail the take's condition (owner and epoch): no invariant may break.  The first SIGTERMed shard is
+    replaced 1 s later, so an empty shard polls too (one not holding the streams tries the take)."""
+    bodies: list[str] = []
+    st: dict[str, object] = {"victim": ""}
+
+    def term() -> None:
+        victim, cids = _victim(w)
+        st["victim"] = victim.name  # type: ignore[attr-defined]
+        w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
+        w.term(victim, replace_after=1.0)  # type: ignore[arg-type]
+
+    def watch(req: Request) -> None:
+        if req.op != "SendMessageBatch" or req.proc != st["victim"]:
+            return
+        for e in req.params.get("Entries", []):
+            body = str(e.get("MessageBody", ""))
+            if '"OFFER"' in body and body not in bodies:
+                bodies.append(body)
+                for later in (0.3, 3.0, 8.0):
+                    w.sched.at(w.vt.now + later, lambda body=body: replay(body))  # type: ignore[misc]
+
+    def replay(body: str) -> None:
+        assert w.ctl is not None and w.ctl.clients is not None
+        sqs = w.ctl.clients.sqs
+
+        async def send() -> None:
+            url = (await sqs.get_queue_url(QueueName=w.cfg.aws.hints_queue))["QueueUrl"]
+            await sqs.send_message(QueueUrl=url, MessageBody=body)
+            w.say(f"scenario: OFFER replayed: {body[:120]}")
+        w.ctl.loop.create_task(send())
+
+    def second() -> None:
+        if len(w.running_shards()) > 1:
+            victim, cids = _victim(w)
+            w.say(f"scenario: second SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
+            w.term(victim, replace_after=60.0)  # type: ignore[arg-type]
+
+    w.net.on_send.append(watch)
+    w.sched.at(START + 6.0, term)
+    w.sched.at(START + 9.0, second)
+
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("calm", "no request faults and no lifecycle events", calm),
     Scenario("unsafe_skew", "one shard's clock far beyond safety_margin_s (SPEC: voids the guarantee)", _unsafe_skew),
@@ -775,6 +826,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              _term_handoff, _forged_offer_setup),
     Scenario("offer_poisoned", "review: a parked (unreadable) stream's epoch-0 offer makes its whole OFFER message malformed",
              _offer_poisoned, _offer_poisoned_setup),
+    Scenario("offer_replay", "review (holds): OFFER messages replayed after the takes, a second hand-over, a session end",
+             _offer_replay, _offer_replay_setup),
     Scenario("term_pause_fixed", "review: as term_pause, the SIGSTOP 5 ms after the SIGTERM",
              _term_handoff, _term_pause_fixed_setup),
 )}
