@@ -792,6 +792,35 @@ def _offer_replay_setup(w: World) -> None:
     w.sched.at(START + 9.0, second)
 
 
+def _offer_window_ctl_setup(w: World) -> None:
+    """Held (a guard): SIGTERM at START+6 s; the moment the stopping shard sends its offering mark, ``ctl stop``
+    two of its streams, ``ctl start`` two others with a new URL (and their START hints), and the stopping
+    shard's own desired-state sweep is due.  Stopped streams must not be taken (``desired_state = STARTED``)
+    and must close; restarted ones must be streamed once, on the new URL."""
+    sessions = w.cfg.aws.sessions_table
+    st: dict[str, object] = {"victim": "", "cids": [], "done": False}
+
+    def term() -> None:
+        victim, cids = _victim(w)
+        st["victim"], st["cids"] = victim.name, cids  # type: ignore[attr-defined]
+        w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
+        w.term(victim, replace_after=60.0)  # type: ignore[arg-type]
+
+    def watch(req: Request) -> None:
+        if (st["done"] or req.proc != st["victim"] or req.op != "UpdateItem" or req.table != sessions
+                or "offering_at_ms" not in _expr(req)):
+            return
+        st["done"] = True
+        cids = list(st["cids"])  # type: ignore[call-overload]
+        for cid in cids[:2]:
+            w.ctl_stop(cid)
+        for cid in cids[2:4]:
+            _ctl_start_url(w, cid, w.ups.url(cid) + "?v=2", hint=True)
+
+    w.net.on_send.append(watch)
+    w.sched.at(START + 6.0, term)
+
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("calm", "no request faults and no lifecycle events", calm),
     Scenario("unsafe_skew", "one shard's clock far beyond safety_margin_s (SPEC: voids the guarantee)", _unsafe_skew),
@@ -828,6 +857,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              _offer_poisoned, _offer_poisoned_setup),
     Scenario("offer_replay", "review (holds): OFFER messages replayed after the takes, a second hand-over, a session end",
              _offer_replay, _offer_replay_setup),
+    Scenario("offer_window_ctl", "review (holds): ctl stop / ctl start with a new URL while the streams are offered",
+             _term_handoff, _offer_window_ctl_setup),
     Scenario("term_pause_fixed", "review: as term_pause, the SIGSTOP 5 ms after the SIGTERM",
              _term_handoff, _term_pause_fixed_setup),
 )}
