@@ -821,6 +821,35 @@ def _offer_window_ctl_setup(w: World) -> None:
     w.sched.at(START + 6.0, term)
 
 
+def _take_lost_setup(w: World) -> None:
+    """Held (a guard): SIGTERM at START+6 s as ``term_handoff`` (its timing checks left out: a lost answer costs a
+    read timeout by design); half the takes' first attempts are applied but their answers lost (the SDK retries
+    the same write, which fails its condition; the consistent read must confirm the win), the other half land
+    a second time 2.5 s later (after the stopper's fallback release and the taker's own socket: the condition
+    must fail).  Safety and end checks only."""
+    conns = w.cfg.aws.connections_table
+    kind: dict[str, str] = {}
+
+    def take(req: Request, fault: str) -> bool:
+        if not (_is(req, "UpdateItem", conns, "t") and ":from" in _values(req) and req.attempt == 1):
+            return False
+        cid = _cid(req)
+        if cid not in kind:
+            kind[cid] = ("lost", "dup")[len(kind) % 2]
+            return kind[cid] == fault
+        return False
+
+    w.net.rule(lambda r: take(r, "lost"), "lost", times=1000)
+    w.net.rule(lambda r: kind.get(_cid(r)) == "dup" and _is(r, "UpdateItem", conns, "t") and ":from" in _values(r)
+               and r.attempt == 1 and r.fault == "ok", "dup", times=1000, delay_s=2.5)
+
+    def term() -> None:
+        victim, cids = _victim(w)
+        w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
+        w.term(victim, replace_after=60.0)  # type: ignore[arg-type]
+    w.sched.at(START + 6.0, term)
+
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("calm", "no request faults and no lifecycle events", calm),
     Scenario("unsafe_skew", "one shard's clock far beyond safety_margin_s (SPEC: voids the guarantee)", _unsafe_skew),
@@ -859,6 +888,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              _offer_replay, _offer_replay_setup),
     Scenario("offer_window_ctl", "review (holds): ctl stop / ctl start with a new URL while the streams are offered",
              _term_handoff, _offer_window_ctl_setup),
+    Scenario("take_lost", "review (holds): takes whose answers are lost (SDK retry) or that land twice",
+             _term_handoff, _take_lost_setup),
     Scenario("term_pause_fixed", "review: as term_pause, the SIGSTOP 5 ms after the SIGTERM",
              _term_handoff, _term_pause_fixed_setup),
 )}
