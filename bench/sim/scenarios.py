@@ -850,6 +850,50 @@ def _take_lost_setup(w: World) -> None:
     w.sched.at(START + 6.0, term)
 
 
+def _renew_hedge_skew(p: Params) -> None:
+    quiet(p)
+    session_mode(p, tasks=2, spt=1)
+    p.cfg = config.replace(p.cfg, lease_mode="session", lease_ttl_s=6.0, heartbeat_s=1.5, safety_margin_s=2.0,
+                           reconcile_s=1.0, desired_state_s=1.0, desired_sweep_s=3.0, checkpoint_s=1.0,
+                           checkpoint_idle_s=3.0, aws_timeout_s=5.0, aws_max_attempts=3, dead_session_grace_s=15.0,
+                           hint_wait_s=2, shutdown_budget_s=8.0, backoff_min_s=0.2, backoff_max_s=1.0,
+                           ping_idle_s=2.0, ping_reply_s=1.0, handshake_timeout_s=2.0)
+    p.skews_ms = [-990, 990] * 32  # t0/s0 1 s behind, its peer 1 s ahead: a difference just below the margin
+    p.index_lag_ms = (0, 5)
+    p.faults_until = max(p.faults_until, 30.0)
+
+
+def _renew_hedge_skew_setup(w: World) -> None:
+    """Held (a guard): fleetd's default session timings (TTL 6 s, heartbeat 1.5 s, margin 2 s, read timeout 5 s),
+    t0/s0's clock 0.99 s behind and t1/s0's 0.99 s ahead.  From START+3 s t0/s0's renewals cycle through: answer
+    lost; answered 3 s late (several in flight); applied again 2.5 s later (out of order, after later ones);
+    normal.  From START+12 s to START+17 s every renewal of it is throttled (it must fence before t1/s0 may
+    declare it dead, then replace its session).  Safety invariants only."""
+    sessions = w.cfg.aws.sessions_table
+    n = {"k": 0}
+
+    def renewal(req: Request) -> bool:
+        return _is(req, "UpdateItem", sessions, "t0/s0") and "expires_at_ms = :exp" in _expr(req)
+
+    def pick(fault: str) -> Callable[[Request], bool]:
+        def match(req: Request) -> bool:
+            if (not renewal(req) or req.sent_at < START + 3.0 or START + 12.0 <= req.sent_at < START + 17.0
+                    or req.sent_at > START + 30.0):
+                return False
+            return ("lost", "delay", "dup", "ok")[n["k"] % 4] == fault
+        return match
+
+    def count(req: Request) -> None:
+        if renewal(req) and req.sent_at >= START + 3.0:
+            n["k"] += 1
+
+    w.net.rule(lambda r: renewal(r) and START + 12.0 <= r.sent_at < START + 17.0, "throttle", times=10_000)
+    w.net.rule(pick("lost"), "lost", times=10_000)
+    w.net.rule(pick("delay"), "delay", times=10_000, delay_s=3.0)
+    w.net.rule(pick("dup"), "dup", times=10_000, delay_s=2.5)
+    w.net.on_send.append(count)
+
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("calm", "no request faults and no lifecycle events", calm),
     Scenario("unsafe_skew", "one shard's clock far beyond safety_margin_s (SPEC: voids the guarantee)", _unsafe_skew),
@@ -890,6 +934,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              _term_handoff, _offer_window_ctl_setup),
     Scenario("take_lost", "review (holds): takes whose answers are lost (SDK retry) or that land twice",
              _term_handoff, _take_lost_setup),
+    Scenario("renew_hedge_skew", "review (holds): default timings, skew just below the margin, hedged renewals lost/late/dup",
+             _renew_hedge_skew, _renew_hedge_skew_setup),
     Scenario("term_pause_fixed", "review: as term_pause, the SIGSTOP 5 ms after the SIGTERM",
              _term_handoff, _term_pause_fixed_setup),
 )}
