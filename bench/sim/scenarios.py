@@ -894,6 +894,25 @@ def _renew_hedge_skew_setup(w: World) -> None:
     w.net.on_send.append(count)
 
 
+def _term_pause_slow_setup(w: World) -> None:
+    """As ``term_pause_fixed``, with the stopping shard's read of live sessions (``by_expiry``, the first read of
+    ``Handoff._peer_with_room``) throttled twice (the SDK backs off and retries), and the SIGSTOP 0.3 s after the
+    SIGTERM: the sockets stay open for the whole retried read."""
+    sessions = w.cfg.aws.sessions_table
+    st: dict[str, object] = {"victim": ""}
+
+    def term() -> None:
+        victim, cids = _victim(w)
+        st["victim"] = victim.name  # type: ignore[attr-defined]
+        w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
+        w.term(victim, replace_after=60.0)  # type: ignore[arg-type]
+        w.sched.at(w.vt.now + 0.3, lambda: w.pause(victim, 2 * w.cfg.lease.lease_ttl_s))  # type: ignore[arg-type]
+
+    w.net.rule(lambda r: r.proc == st["victim"] and r.op == "Query" and r.table == sessions and r.attempt < 3,
+               "throttle", times=2)
+    w.sched.at(START + 6.0, term)
+
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("calm", "no request faults and no lifecycle events", calm),
     Scenario("unsafe_skew", "one shard's clock far beyond safety_margin_s (SPEC: voids the guarantee)", _unsafe_skew),
@@ -936,6 +955,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              _term_handoff, _take_lost_setup),
     Scenario("renew_hedge_skew", "review (holds): default timings, skew just below the margin, hedged renewals lost/late/dup",
              _renew_hedge_skew, _renew_hedge_skew_setup),
+    Scenario("term_pause_slow", "review: as term_pause_fixed, the hand-over's session read throttled twice, SIGSTOP at +0.3 s",
+             _term_handoff, _term_pause_slow_setup),
     Scenario("term_pause_fixed", "review: as term_pause, the SIGSTOP 5 ms after the SIGTERM",
              _term_handoff, _term_pause_fixed_setup),
 )}
