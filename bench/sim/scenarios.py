@@ -643,14 +643,14 @@ FORGED_AHEAD = 40
 
 
 def _forged_offer_setup(w: World) -> None:
-    """At START+6 s the shard holding the most streams is SIGKILLed; its supervisor expires its session (a
-    tombstone) and does not restart it.  At once (and again 0.3 s later) an OFFER naming that dead session is sent (by any process
-    that may send to the hints queue: here the ctl process) for each of its streams, with the item's current
-    epoch and a ``last_seq`` 40 past the highest seq durable.  ``offers_open`` is true for a session with a
-    tombstone, the take's condition (owner = the dead session, that epoch, STARTED) holds, and the take
-    writes the hint's ``last_seq`` into the item: the peer resumes after it (checkpoint_ahead; the
-    skipped seqs are never written: lost_seq).  A START or DEAD_SESSION hint can only make a peer try a
-    claim; an OFFER writes data taken from the message."""
+    """At START+6 s the shard holding the most streams is SIGKILLed; its supervisor expires its session (a tombstone)
+    and does not restart it. At once (and again 0.3 s later) an OFFER naming that dead session is sent (by any
+    process that may send to the hints queue: here the ctl process) for each of its streams, with the item's
+    current epoch and a ``last_seq`` 40 past the highest seq durable. ``offers_open`` is true for a session with
+    a tombstone, the take's condition (owner = the dead session, that epoch, STARTED) holds, and the take writes
+    the hint's ``last_seq`` into the item: the peer resumes after it (checkpoint_ahead; the skipped seqs are
+    never written: lost_seq). A START or DEAD_SESSION hint can only make a peer try a claim; an OFFER writes
+    data taken from the message."""
     conns, sessions = w.cfg.aws.connections_table, w.cfg.aws.sessions_table
 
     def crash() -> None:
@@ -945,17 +945,17 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              _term_fuzz_defaults, _term_fuzz_setup),
     Scenario("forged_offer", "review: an OFFER naming a dead session, its last_seq ahead of what is durable",
              _term_handoff, _forged_offer_setup),
-    Scenario("offer_poisoned", "review: a parked (unreadable) stream's epoch-0 offer makes its whole OFFER message malformed",
+    Scenario("offer_poisoned", "review: a parked stream's epoch-0 offer makes its whole OFFER message malformed",
              _offer_poisoned, _offer_poisoned_setup),
-    Scenario("offer_replay", "review (holds): OFFER messages replayed after the takes, a second hand-over, a session end",
+    Scenario("offer_replay", "review (holds): OFFERs replayed after the takes, a second hand-over, a session end",
              _offer_replay, _offer_replay_setup),
     Scenario("offer_window_ctl", "review (holds): ctl stop / ctl start with a new URL while the streams are offered",
              _term_handoff, _offer_window_ctl_setup),
     Scenario("take_lost", "review (holds): takes whose answers are lost (SDK retry) or that land twice",
              _term_handoff, _take_lost_setup),
-    Scenario("renew_hedge_skew", "review (holds): default timings, skew just below the margin, hedged renewals lost/late/dup",
+    Scenario("renew_hedge_skew", "review (holds): default timings, skew below the margin, renewals lost/late/dup",
              _renew_hedge_skew, _renew_hedge_skew_setup),
-    Scenario("term_pause_slow", "review: as term_pause_fixed, the hand-over's session read throttled twice, SIGSTOP at +0.3 s",
+    Scenario("term_pause_slow", "review: the hand-over's session read throttled twice, SIGSTOP at +0.3 s",
              _term_handoff, _term_pause_slow_setup),
     Scenario("term_pause_fixed", "review: as term_pause, the SIGSTOP 5 ms after the SIGTERM",
              _term_handoff, _term_pause_fixed_setup),
