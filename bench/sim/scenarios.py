@@ -552,6 +552,367 @@ def _term_handoff_setup(w: World) -> None:
     w.sched.at(START + 6.0, term)
 
 
+# ----- adversarial review of f7386cd..287fc49 (renewals, hedged heartbeat, SIGTERM offers) ---------------
+
+
+def _victim(w: World) -> tuple[object, list[str]]:
+    """The running shard holding the most streams, and those streams."""
+    shards = w.running_shards()
+    held = {p.name: sorted(cid for cid, recs in w.checker.open.items() for r in recs if r.proc == p.name)
+            for p in shards}
+    victim = max(shards, key=lambda p: (len(held[p.name]), p.name))
+    return victim, held[victim.name]
+
+
+def _term_pause_setup(w: World) -> None:
+    """SIGTERM at START+6 s to the shard holding the most streams; the moment its hand-over phase sends the
+    BatchGetItem of peers' loads (``Handoff._peer_with_room``, before ``quiesce`` closes anything) it is
+    SIGSTOPped for 2 x TTL, then SIGCONTed (its SIGKILL is due budget + 5 s after the SIGTERM, later).
+    At SIGTERM the heartbeat and fence loops end, so nothing renews or fences the session any more; peers
+    declare it dead and take its streams over during the pause.  On SIGCONT the hand-over resumes and
+    closes its still-open sockets politely (CLOSE, wait for the echo): the peer and the resumed shard both
+    hold a socket while time passes (one_streamer_socket).  The old shutdown sent CLOSE in the SIGTERM's
+    own instant; the hand-over now keeps the sockets open across two DynamoDB round trips first."""
+    sessions = w.cfg.aws.sessions_table
+    st: dict[str, object] = {"victim": None, "paused": False}
+
+    def term() -> None:
+        victim, cids = _victim(w)
+        st["victim"] = victim
+        w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
+        w.term(victim, replace_after=60.0)  # type: ignore[arg-type]
+
+    def watch(req: Request) -> None:
+        victim = st["victim"]
+        if (victim is None or st["paused"] or req.op != "BatchGetItem"
+                or req.proc != victim.name or sessions not in req.params.get("RequestItems", {})):  # type: ignore[attr-defined]
+            return
+        st["paused"] = True
+        w.say("scenario: the stopping shard reads peers' loads for its hand-over; SIGSTOP it")
+        w.sched.at(w.vt.now + 0.0005, lambda: w.pause(victim, 2 * w.cfg.lease.lease_ttl_s))  # type: ignore[arg-type]
+
+    w.net.on_send.append(watch)
+    w.sched.at(START + 6.0, term)
+
+
+def _term_pause_fixed_setup(w: World) -> None:
+    """As ``term_pause``, but the SIGSTOP comes at a fixed 5 ms after the SIGTERM (for comparison with the
+    shutdown before 287fc49, which had closed its sockets 2 ms after the SIGTERM)."""
+    def term() -> None:
+        victim, cids = _victim(w)
+        w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
+        w.term(victim, replace_after=60.0)  # type: ignore[arg-type]
+        w.sched.at(w.vt.now + 0.005, lambda: w.pause(victim, 2 * w.cfg.lease.lease_ttl_s))  # type: ignore[arg-type]
+    w.sched.at(START + 6.0, term)
+
+
+def _term_fuzz(p: Params) -> None:
+    """The seed's own fault mix and events, in session mode with the CI timings, and two SIGTERMs."""
+    session_mode(p, tasks=max(2, p.tasks), spt=p.shards_per_task)
+    fast(p, lease_mode="session", rebalance_s=p.cfg.lease.rebalance_s, max_connections_per_shard=700)
+    p.conns = max(p.conns, 8)
+    p.first_seqs = [1] * len(p.first_seqs)
+
+
+def _term_fuzz_defaults(p: Params) -> None:
+    """As ``term_fuzz`` with fleetd's default session timings (TTL 6 s, heartbeat 1.5 s, margin 2 s)."""
+    session_mode(p, tasks=max(2, p.tasks), spt=p.shards_per_task)
+    p.cfg = config.replace(p.cfg, lease_mode="session", lease_ttl_s=6.0, heartbeat_s=1.5, safety_margin_s=2.0,
+                           reconcile_s=5.0, desired_state_s=10.0, desired_sweep_s=60.0, aws_timeout_s=5.0,
+                           dead_session_grace_s=60.0, shutdown_budget_s=20.0, hint_wait_s=5, backoff_max_s=5.0)
+    half = int(p.cfg.lease.safety_margin_s * 500)
+    p.skews_ms = [max(-half, min(half, s)) for s in p.skews_ms]
+    p.conns = max(p.conns, 8)
+    p.first_seqs = [1] * len(p.first_seqs)
+    p.faults_until = max(p.faults_until, 20.0)
+
+
+def _term_fuzz_setup(w: World) -> None:
+    """SIGTERM the busiest shard at START+3 s and again at START+7 s (replaced 1 s later), under the seed's faults."""
+    def term() -> None:
+        if len(w.running_shards()) > 1:
+            victim, cids = _victim(w)
+            w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
+            w.term(victim, replace_after=1.0)  # type: ignore[arg-type]
+    w.sched.at(START + 3.0, term)
+    w.sched.at(START + 7.0, term)
+
+
+FORGED_AHEAD = 40
+"""How far past what is durable the forged OFFER's last_seq points."""
+
+
+def _forged_offer_setup(w: World) -> None:
+    """At START+6 s the shard holding the most streams is SIGKILLed; its supervisor expires its session (a tombstone)
+    and does not restart it. At once (and again 0.3 s later) an OFFER naming that dead session is sent (by any
+    process that may send to the hints queue: here the ctl process) for each of its streams, with the item's
+    current epoch and a ``last_seq`` 40 past the highest seq durable. ``offers_open`` is true for a session with
+    a tombstone, the take's condition (owner = the dead session, that epoch, STARTED) holds, and the take writes
+    the hint's ``last_seq`` into the item: the peer resumes after it (checkpoint_ahead; the skipped seqs are
+    never written: lost_seq). A START or DEAD_SESSION hint can only make a peer try a claim; an OFFER writes
+    data taken from the message."""
+    conns, sessions = w.cfg.aws.connections_table, w.cfg.aws.sessions_table
+
+    def crash() -> None:
+        victim, cids = _victim(w)
+        sid = victim.shard.session_id  # type: ignore[attr-defined]
+        w.say(f"scenario: {victim.name} (session {sid}) crashes holding {cids}; buried, not restarted")  # type: ignore[attr-defined]
+        w.crash(victim, restart=False)  # type: ignore[arg-type]
+        assert w.ctl is not None and w.ctl.clients is not None
+        clients = w.ctl.clients
+
+        async def forge() -> None:
+            await LeaseStore(clients.dynamodb, w.cfg.aws, w.cfg.lease, SimClock(w.vt, 0)).expire_session(sid)
+            offers = []
+            for cid in cids:
+                item = w.dynamo.handle("GetItem", {"TableName": conns, "ConsistentRead": True,
+                                                   "Key": {"connection_id": {"S": cid}}})["Item"]
+                top = w.checker.contiguous.get(cid, w.first_seq.get(cid, 0) - 1)
+                offers.append([cid, int(item["lease_epoch"]["N"]), top + FORGED_AHEAD])
+            url = (await clients.sqs.get_queue_url(QueueName=w.cfg.aws.hints_queue))["QueueUrl"]
+            body = json.dumps({"type": "OFFER", "session_id": sid, "offers": offers})
+            for wave in range(2):  # the dead shard's own long poll, still open, may swallow the first
+                if wave:
+                    await asyncio.sleep(0.3)
+                await clients.sqs.send_message(QueueUrl=url, MessageBody=body)
+                w.say(f"scenario: forged OFFER sent (wave {wave + 1}): {body}")
+
+        w.ctl.loop.create_task(forge())
+
+    _ = sessions
+    w.sched.at(START + 6.0, crash)
+
+
+def _offer_poisoned(p: Params) -> None:
+    _term_handoff(p)
+    p.conns = 8
+
+
+def _offer_poisoned_setup(w: World) -> None:
+    """One more item, c08, carries ``last_seq = 1.5`` (a number fleetd cannot parse: written by another
+    client of the schema, SPEC §7).  Its claim succeeds, the answer is unreadable and the shard holds it
+    parked (``Holdings.adopt``), as a record with epoch 0.  At START+6 s the shard holding c08 is
+    SIGTERMed: its hand-over offers c08 with epoch 0 in the same OFFER message as up to nine healthy
+    streams; every receiver parses the message as malformed (``hints._offers``: an epoch below 1 makes the
+    whole list invalid) and deletes it, so none of those streams is taken: they wait out ``OFFER_WAIT_S``
+    and the release phase (``handoff_slow``: not streamed again 1 s after the SIGTERM)."""
+    conns = w.cfg.aws.connections_table
+    cid = f"c{w.p.conns:02d}"
+    st: dict[str, object] = {"at": 0.0, "cids": []}
+
+    def create() -> None:
+        assert w._create_item(direct=True) == cid
+        w.dynamo.handle("UpdateItem", {"TableName": conns, "Key": {"connection_id": {"S": cid}},
+                                       "UpdateExpression": "SET last_seq = :bad",
+                                       "ExpressionAttributeValues": {":bad": {"N": "1.5"}}})
+        w.say(f"scenario: {cid} created with last_seq = 1.5")
+
+    def term() -> None:
+        owner = w.dynamo.handle("GetItem", {"TableName": conns, "ConsistentRead": True,
+                                            "Key": {"connection_id": {"S": cid}}})["Item"]
+        sid = owner.get("lease_owner", {}).get("S", "")
+        holders = [p for p in w.running_shards() if p.shard is not None and p.shard.session_id == sid]
+        if not holders:
+            w.say(f"scenario: nobody holds {cid}")
+            return
+        victim = holders[0]
+        streams = sorted(c for c, recs in w.checker.open.items() for r in recs if r.proc == victim.name)
+        st["at"], st["cids"] = w.vt.now, streams
+        w.say(f"scenario: SIGTERM {victim.name}, holding {cid} parked and streaming {streams}")
+        w.term(victim, replace_after=60.0)
+        w.sched.at(w.vt.now + HANDOFF_S, judge)
+
+    def judge() -> None:
+        running = {p.name for p in w.running_shards()}
+        cids = list(st["cids"])  # type: ignore[call-overload]
+        slow = [c for c in cids if not any(r.proc in running for r in w.checker.open.get(c, []))]
+        if slow:
+            w.checker.fail("handoff_slow", f"{len(slow)} of {len(cids)} healthy streams of the SIGTERMed shard "
+                                           f"not streamed {HANDOFF_S} s later: {slow}")
+
+    def repair() -> None:  # the operator fixes c08 (and starts it again): whoever holds it parked streams it
+        w.dynamo.handle("UpdateItem", {"TableName": conns, "Key": {"connection_id": {"S": cid}},
+                                       "UpdateExpression": "REMOVE last_seq"})
+        w.say(f"scenario: {cid} repaired (last_seq removed); ctl start")
+        w.ctl_start(cid)
+
+    w.sched.at(START + 0.1, create)
+    w.sched.at(START + 6.0, term)
+    w.sched.at(START + 12.0, repair)
+
+
+def _offer_replay(p: Params) -> None:
+    _term_handoff(p)
+    p.tasks = 3
+
+
+def _offer_replay_setup(w: World) -> None:
+    """Held (a guard): the SIGTERMed shard's OFFER messages are captured and sent again (by the ctl process)
+    0.3 s, 3 s and 8 s later: after the takes, after a second SIGTERM (at START+9 s, of the shard that took the
+    most of them) handed them on again at a new epoch, and after that shard's session ended.  Every replay
+    must fail the take's condition (owner and epoch): no invariant may break.  The first SIGTERMed shard is
+    replaced 1 s later, so an empty shard polls too (one not holding the streams tries the take)."""
+    bodies: list[str] = []
+    st: dict[str, object] = {"victim": ""}
+
+    def term() -> None:
+        victim, cids = _victim(w)
+        st["victim"] = victim.name  # type: ignore[attr-defined]
+        w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
+        w.term(victim, replace_after=1.0)  # type: ignore[arg-type]
+
+    def watch(req: Request) -> None:
+        if req.op != "SendMessageBatch" or req.proc != st["victim"]:
+            return
+        for e in req.params.get("Entries", []):
+            body = str(e.get("MessageBody", ""))
+            if '"OFFER"' in body and body not in bodies:
+                bodies.append(body)
+                for later in (0.3, 3.0, 8.0):
+                    w.sched.at(w.vt.now + later, lambda body=body: replay(body))  # type: ignore[misc]
+
+    def replay(body: str) -> None:
+        assert w.ctl is not None and w.ctl.clients is not None
+        sqs = w.ctl.clients.sqs
+
+        async def send() -> None:
+            url = (await sqs.get_queue_url(QueueName=w.cfg.aws.hints_queue))["QueueUrl"]
+            await sqs.send_message(QueueUrl=url, MessageBody=body)
+            w.say(f"scenario: OFFER replayed: {body[:120]}")
+        w.ctl.loop.create_task(send())
+
+    def second() -> None:
+        if len(w.running_shards()) > 1:
+            victim, cids = _victim(w)
+            w.say(f"scenario: second SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
+            w.term(victim, replace_after=60.0)  # type: ignore[arg-type]
+
+    w.net.on_send.append(watch)
+    w.sched.at(START + 6.0, term)
+    w.sched.at(START + 9.0, second)
+
+
+def _offer_window_ctl_setup(w: World) -> None:
+    """Held (a guard): SIGTERM at START+6 s; the moment the stopping shard sends its offering mark, ``ctl stop``
+    two of its streams, ``ctl start`` two others with a new URL (and their START hints), and the stopping
+    shard's own desired-state sweep is due.  Stopped streams must not be taken (``desired_state = STARTED``)
+    and must close; restarted ones must be streamed once, on the new URL."""
+    sessions = w.cfg.aws.sessions_table
+    st: dict[str, object] = {"victim": "", "cids": [], "done": False}
+
+    def term() -> None:
+        victim, cids = _victim(w)
+        st["victim"], st["cids"] = victim.name, cids  # type: ignore[attr-defined]
+        w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
+        w.term(victim, replace_after=60.0)  # type: ignore[arg-type]
+
+    def watch(req: Request) -> None:
+        if (st["done"] or req.proc != st["victim"] or req.op != "UpdateItem" or req.table != sessions
+                or "offering_at_ms" not in _expr(req)):
+            return
+        st["done"] = True
+        cids = list(st["cids"])  # type: ignore[call-overload]
+        for cid in cids[:2]:
+            w.ctl_stop(cid)
+        for cid in cids[2:4]:
+            _ctl_start_url(w, cid, w.ups.url(cid) + "?v=2", hint=True)
+
+    w.net.on_send.append(watch)
+    w.sched.at(START + 6.0, term)
+
+
+def _take_lost_setup(w: World) -> None:
+    """Held (a guard): SIGTERM at START+6 s as ``term_handoff`` (its timing checks left out: a lost answer costs a
+    read timeout by design); half the takes' first attempts are applied but their answers lost (the SDK retries
+    the same write, which fails its condition; the consistent read must confirm the win), the other half land
+    a second time 2.5 s later (after the stopper's fallback release and the taker's own socket: the condition
+    must fail).  Safety and end checks only."""
+    conns = w.cfg.aws.connections_table
+    kind: dict[str, str] = {}
+
+    def take(req: Request, fault: str) -> bool:
+        if not (_is(req, "UpdateItem", conns, "t") and ":from" in _values(req) and req.attempt == 1):
+            return False
+        cid = _cid(req)
+        if cid not in kind:
+            kind[cid] = ("lost", "dup")[len(kind) % 2]
+            return kind[cid] == fault
+        return False
+
+    w.net.rule(lambda r: take(r, "lost"), "lost", times=1000)
+    w.net.rule(lambda r: kind.get(_cid(r)) == "dup" and _is(r, "UpdateItem", conns, "t") and ":from" in _values(r)
+               and r.attempt == 1 and r.fault == "ok", "dup", times=1000, delay_s=2.5)
+
+    def term() -> None:
+        victim, cids = _victim(w)
+        w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
+        w.term(victim, replace_after=60.0)  # type: ignore[arg-type]
+    w.sched.at(START + 6.0, term)
+
+
+def _renew_hedge_skew(p: Params) -> None:
+    quiet(p)
+    session_mode(p, tasks=2, spt=1)
+    p.cfg = config.replace(p.cfg, lease_mode="session", lease_ttl_s=6.0, heartbeat_s=1.5, safety_margin_s=2.0,
+                           reconcile_s=1.0, desired_state_s=1.0, desired_sweep_s=3.0, checkpoint_s=1.0,
+                           checkpoint_idle_s=3.0, aws_timeout_s=5.0, aws_max_attempts=3, dead_session_grace_s=15.0,
+                           hint_wait_s=2, shutdown_budget_s=8.0, backoff_min_s=0.2, backoff_max_s=1.0,
+                           ping_idle_s=2.0, ping_reply_s=1.0, handshake_timeout_s=2.0)
+    p.skews_ms = [-990, 990] * 32  # t0/s0 1 s behind, its peer 1 s ahead: a difference just below the margin
+    p.index_lag_ms = (0, 5)
+    p.faults_until = max(p.faults_until, 30.0)
+
+
+def _renew_hedge_skew_setup(w: World) -> None:
+    """Held (a guard): fleetd's default session timings (TTL 6 s, heartbeat 1.5 s, margin 2 s, read timeout 5 s),
+    t0/s0's clock 0.99 s behind and t1/s0's 0.99 s ahead.  From START+3 s t0/s0's renewals cycle through: answer
+    lost; answered 3 s late (several in flight); applied again 2.5 s later (out of order, after later ones);
+    normal.  From START+12 s to START+17 s every renewal of it is throttled (it must fence before t1/s0 may
+    declare it dead, then replace its session).  Safety invariants only."""
+    sessions = w.cfg.aws.sessions_table
+    n = {"k": 0}
+
+    def renewal(req: Request) -> bool:
+        return _is(req, "UpdateItem", sessions, "t0/s0") and "expires_at_ms = :exp" in _expr(req)
+
+    def pick(fault: str) -> Callable[[Request], bool]:
+        def match(req: Request) -> bool:
+            if (not renewal(req) or req.sent_at < START + 3.0 or START + 12.0 <= req.sent_at < START + 17.0
+                    or req.sent_at > START + 30.0):
+                return False
+            return ("lost", "delay", "dup", "ok")[n["k"] % 4] == fault
+        return match
+
+    def count(req: Request) -> None:
+        if renewal(req) and req.sent_at >= START + 3.0:
+            n["k"] += 1
+
+    w.net.rule(lambda r: renewal(r) and START + 12.0 <= r.sent_at < START + 17.0, "throttle", times=10_000)
+    w.net.rule(pick("lost"), "lost", times=10_000)
+    w.net.rule(pick("delay"), "delay", times=10_000, delay_s=3.0)
+    w.net.rule(pick("dup"), "dup", times=10_000, delay_s=2.5)
+    w.net.on_send.append(count)
+
+
+def _term_pause_slow_setup(w: World) -> None:
+    """As ``term_pause_fixed``, with the stopping shard's read of live sessions (``by_expiry``, the first read of
+    ``Handoff._peer_with_room``) throttled twice (the SDK backs off and retries), and the SIGSTOP 0.3 s after the
+    SIGTERM: the sockets stay open for the whole retried read."""
+    sessions = w.cfg.aws.sessions_table
+    st: dict[str, object] = {"victim": ""}
+
+    def term() -> None:
+        victim, cids = _victim(w)
+        st["victim"] = victim.name  # type: ignore[attr-defined]
+        w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
+        w.term(victim, replace_after=60.0)  # type: ignore[arg-type]
+        w.sched.at(w.vt.now + 0.3, lambda: w.pause(victim, 2 * w.cfg.lease.lease_ttl_s))  # type: ignore[arg-type]
+
+    w.net.rule(lambda r: r.proc == st["victim"] and r.op == "Query" and r.table == sessions and r.attempt < 3,
+               "throttle", times=2)
+    w.sched.at(START + 6.0, term)
+
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("calm", "no request faults and no lifecycle events", calm),
     Scenario("unsafe_skew", "one shard's clock far beyond safety_margin_s (SPEC: voids the guarantee)", _unsafe_skew),
@@ -576,6 +937,28 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              _term_handoff, _term_handoff_setup),
     Scenario("rewound_renewal", "a renewal applied again after later ones would set the expiry back",
              _rewound_renewal, _rewound_renewal_setup),
+    Scenario("term_pause", "review: SIGSTOP during the SIGTERM hand-over's load read, SIGCONT after peers took over",
+             _term_handoff, _term_pause_setup),
+    Scenario("term_fuzz", "review: the seed's faults and events, session mode, two SIGTERMs of the busiest shard",
+             _term_fuzz, _term_fuzz_setup),
+    Scenario("term_fuzz_defaults", "review: term_fuzz with the default session timings (6 / 1.5 / 2 s)",
+             _term_fuzz_defaults, _term_fuzz_setup),
+    Scenario("forged_offer", "review: an OFFER naming a dead session, its last_seq ahead of what is durable",
+             _term_handoff, _forged_offer_setup),
+    Scenario("offer_poisoned", "review: a parked stream's epoch-0 offer makes its whole OFFER message malformed",
+             _offer_poisoned, _offer_poisoned_setup),
+    Scenario("offer_replay", "review (holds): OFFERs replayed after the takes, a second hand-over, a session end",
+             _offer_replay, _offer_replay_setup),
+    Scenario("offer_window_ctl", "review (holds): ctl stop / ctl start with a new URL while the streams are offered",
+             _term_handoff, _offer_window_ctl_setup),
+    Scenario("take_lost", "review (holds): takes whose answers are lost (SDK retry) or that land twice",
+             _term_handoff, _take_lost_setup),
+    Scenario("renew_hedge_skew", "review (holds): default timings, skew below the margin, renewals lost/late/dup",
+             _renew_hedge_skew, _renew_hedge_skew_setup),
+    Scenario("term_pause_slow", "review: the hand-over's session read throttled twice, SIGSTOP at +0.3 s",
+             _term_handoff, _term_pause_slow_setup),
+    Scenario("term_pause_fixed", "review: as term_pause, the SIGSTOP 5 ms after the SIGTERM",
+             _term_handoff, _term_pause_fixed_setup),
 )}
 
 
