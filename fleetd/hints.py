@@ -14,10 +14,11 @@ crashed shard's successor will not boot at once (crash-loop backoff, a halt, a
 stop): a peer that receives it runs its reconcile now, which takes over the
 session the supervisor has just expired, instead of at its next ``reconcile_s``.
 
-``{"type": "OFFER", "session_id": SID, "offers": [[ID, EPOCH, LAST_SEQ], …]}`` is what a stopping
-shard sends for streams it has closed and flushed: a peer with room takes each with one write
-conditioned on that owner and epoch, resuming after ``LAST_SEQ`` (-1: none known), so a hand-over
-costs one write instead of a release and a claim (see ``fleetd.shard.handoff``).
+``{"type": "OFFER", "session_id": SID, "token": T, "offers": [[ID, EPOCH, LAST_SEQ], …]}`` is what a
+stopping shard sends for streams it has closed and flushed: a peer with room checks the session's
+offering mark (with token ``T``) and takes each with one write conditioned on that owner and epoch,
+resuming after ``LAST_SEQ`` (-1: none known), so a hand-over costs one write instead of a release and
+a claim (see ``fleetd.shard.handoff``).  A malformed entry is dropped alone.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ class Hint:
     connection_ids: tuple[str, ...]
     receipt: str
     dead_session: str = ""  # a DEAD_SESSION message (it names no connection)
-    offered_by: str = ""  # an OFFER message: the stopping session, and what it offers
+    offered_by: str = ""  # an OFFER message: the stopping session, its offering token, and what it offers
+    offer_token: str = ""
     offers: tuple[Offer, ...] = ()
 
 
@@ -71,8 +73,8 @@ def dead_session_body(session_id: str) -> str:
     return orjson.dumps({"type": "DEAD_SESSION", "session_id": session_id}).decode()
 
 
-def offer_body(session_id: str, offers: Sequence[Offer]) -> str:
-    return orjson.dumps({"type": "OFFER", "session_id": session_id,
+def offer_body(session_id: str, token: str, offers: Sequence[Offer]) -> str:
+    return orjson.dumps({"type": "OFFER", "session_id": session_id, "token": token,
                          "offers": [[o.connection_id, o.epoch, o.last_seq] for o in offers]}).decode()
 
 
@@ -162,9 +164,10 @@ class Hints:
 
         return sum(await asyncio.gather(*(one(c) for c in _chunks(messages))))
 
-    async def send_offers(self, session_id: str, offers: Sequence[Offer]) -> int:
+    async def send_offers(self, session_id: str, token: str, offers: Sequence[Offer]) -> int:
         """Offer these streams to peers, ``IDS_PER_MESSAGE`` a message; returns how many were accepted."""
-        bodies = [(offer_body(session_id, part), len(part)) for part in _chunks(list(offers), IDS_PER_MESSAGE)]
+        bodies = [(offer_body(session_id, token, part), len(part))
+                  for part in _chunks(list(offers), IDS_PER_MESSAGE)]
         return await self._send(bodies, "OFFER")
 
     async def send_dead_session(self, session_id: str, copies: int) -> None:
@@ -242,10 +245,10 @@ def _parse(body: str, receipt: str) -> Hint | None:
     if kind == "DEAD_SESSION":
         return Hint((), receipt, dead_session=sid) if isinstance(sid, str) and sid else None
     if kind == "OFFER":
-        offers = _offers(obj.get("offers"))
-        if not offers or not isinstance(sid, str) or not sid:
+        offers, token = _offers(obj.get("offers")), obj.get("token", "")
+        if not offers or not isinstance(sid, str) or not sid or not isinstance(token, str):
             return None
-        return Hint(tuple(o.connection_id for o in offers), receipt, offered_by=sid, offers=offers)
+        return Hint(tuple(o.connection_id for o in offers), receipt, offered_by=sid, offer_token=token, offers=offers)
     if kind != "START":
         return None
     single, many = obj.get("connection_id"), obj.get("connection_ids")
@@ -256,13 +259,9 @@ def _parse(body: str, receipt: str) -> Hint | None:
 
 
 def _offers(raw: Any) -> tuple[Offer, ...]:
-    """[[id, epoch, last_seq], …] as offers; () when any entry is malformed."""
+    """[[id, epoch, last_seq], …] as offers, each malformed entry left out (the others stay takeable)."""
     if not isinstance(raw, list):
         return ()
-    out = []
-    for entry in raw:
-        if (not isinstance(entry, list) or len(entry) != 3 or not isinstance(entry[0], str) or not entry[0]
-                or not all(type(v) is int for v in entry[1:]) or entry[1] < 1 or entry[2] < -1):
-            return ()
-        out.append(Offer(entry[0], entry[1], entry[2]))
-    return tuple(out)
+    return tuple(Offer(e[0], e[1], e[2]) for e in raw
+                 if isinstance(e, list) and len(e) == 3 and isinstance(e[0], str) and e[0]
+                 and all(type(v) is int for v in e[1:]) and e[1] >= 1 and e[2] >= -1)

@@ -103,6 +103,15 @@ class Fate(enum.Enum):
     UNKNOWN = "unknown"  # the reads or the tombstone write failed: decide nothing
 
 
+class OffersOpen(enum.Enum):
+    """What a consistent read of an offering session allows for its offers."""
+
+    WITH_SEQ = "with_seq"  # its own offering mark, with the offer's token: take, resuming after the offer's seq
+    DEAD = "dead"  # dead, without that mark: take (it streams nothing), but resume from the item's own last_seq
+    NO = "no"  # alive without the mark, or gone: as far as anyone knows it still streams: take nothing
+    UNKNOWN = "unknown"  # unreadable: decide nothing (a peer may)
+
+
 @dataclass(frozen=True, slots=True)
 class SessionDeath:
     fate: Fate
@@ -687,31 +696,33 @@ class LeaseStore:
         )
         return outcome
 
-    async def mark_offering(self, session_id: str) -> Outcome:
+    async def mark_offering(self, session_id: str, token: str) -> Outcome:
         """Say, on our own live session, that every stream it held is closed and flushed: from now its
-        offers may be taken.  Peers check this mark before taking an offer, so a hint alone (a stale
-        or forged one) can never take a stream its owner still streams."""
+        offers carrying ``token`` may be taken.  Peers check the mark before taking an offer, so a hint
+        alone (a stale or forged one) can never take a stream its owner still streams, nor set a resume
+        point the owner did not send."""
         outcome, _ = await self._write(
             "UpdateItem",
             TableName=self.sessions,
             Key={"session_id": _s(session_id)},
-            UpdateExpression="SET offering_at_ms = :now",
+            UpdateExpression="SET offering_at_ms = :now, offering_token = :tok",
             ConditionExpression="attribute_not_exists(dead_at_ms) AND expires_at_ms >= :now",
-            ExpressionAttributeValues={":now": _n(self.clock.now_ms())},
+            ExpressionAttributeValues={":now": _n(self.clock.now_ms()), ":tok": _s(token)},
         )
         return outcome
 
-    async def offers_open(self, session_id: str) -> bool:
-        """Whether a session's offers may be taken (consistent read): it wrote its offering mark, or it is
-        dead (a dead session streams nothing).  Unreadable or missing: no."""
+    async def offers_open(self, session_id: str, token: str) -> OffersOpen:
+        """Whether offers of a session carrying ``token`` may be taken, by a consistent read (see OffersOpen)."""
         try:
             resp = await self._call("GetItem", TableName=self.sessions, ConsistentRead=True,
                                     Key={"session_id": _s(session_id)},
-                                    ProjectionExpression="offering_at_ms, dead_at_ms")
+                                    ProjectionExpression="offering_token, dead_at_ms")
         except Exception:
-            return False
+            return OffersOpen.UNKNOWN
         item = resp.get("Item") or {}
-        return "offering_at_ms" in item or "dead_at_ms" in item
+        if token and _str(item, "offering_token") == token:
+            return OffersOpen.WITH_SEQ
+        return OffersOpen.DEAD if "dead_at_ms" in item else OffersOpen.NO
 
     async def mark_draining(self, session_id: str) -> Outcome:
         """Tell rebalancing peers not to hand us streams: we are shutting down."""

@@ -32,7 +32,11 @@ def test_parse_accepts_the_four_formats_and_rejects_the_rest() -> None:
     assert _parse(start_body(["a", "b"]), "r") == Hint(("a", "b"), "r")
     assert _parse(dead_session_body("t/0/s"), "r") == Hint((), "r", dead_session="t/0/s")
     offers = (Offer("a", 3, 41), Offer("b", 1, -1))
-    assert _parse(offer_body("t/0/s", offers), "r") == Hint(("a", "b"), "r", offered_by="t/0/s", offers=offers)
+    assert _parse(offer_body("t/0/s", "k", offers), "r") == Hint(("a", "b"), "r", offered_by="t/0/s",
+                                                                offer_token="k", offers=offers)
+    # A malformed entry is dropped alone: the rest of the message stays takeable.
+    mixed = '{"type": "OFFER", "session_id": "s", "token": "k", "offers": [["a", 0, 0], ["b", 2, 5]]}'
+    assert _parse(mixed, "r") == Hint(("b",), "r", offered_by="s", offer_token="k", offers=(Offer("b", 2, 5),))
     for bad in ('{"type": "START", "connection_ids": []}', '{"type": "START", "connection_ids": ["a", 3]}',
                 '{"type": "START", "connection_ids": "a"}', '{"type": "START", "connection_id": ""}',
                 '{"type": "STOP", "connection_id": "a"}', '["START"]', "not json", "",
@@ -42,7 +46,8 @@ def test_parse_accepts_the_four_formats_and_rejects_the_rest() -> None:
                 '{"type": "OFFER", "session_id": "s", "offers": [["a", 0, 0]]}',
                 '{"type": "OFFER", "session_id": "s", "offers": [["a", 1, -2]]}',
                 '{"type": "OFFER", "session_id": "s", "offers": [["a", true, 0]]}',
-                '{"type": "OFFER", "session_id": "s", "offers": [["a", 1]]}'):
+                '{"type": "OFFER", "session_id": "s", "offers": [["a", 1]]}',
+                '{"type": "OFFER", "session_id": "s", "token": 7, "offers": [["a", 1, 0]]}'):
         assert _parse(bad, "r") is None, bad
 
 

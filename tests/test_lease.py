@@ -10,7 +10,7 @@ import pytest
 from fleetd.aws import Outcome
 from fleetd.clock import ManualClock, SystemClock
 from fleetd.config import Config, replace
-from fleetd.lease import STARTED, Fate, LeaseStore, SessionInfo
+from fleetd.lease import STARTED, Fate, LeaseStore, OffersOpen, SessionInfo
 from fleetd.schema import HELD_BY_SESSION
 from tests.helpers import arun, clients
 
@@ -504,9 +504,10 @@ def test_renewals_read_how_often_the_session_was_handed_streams(cfg: Config) -> 
 
 
 def test_an_offer_is_taken_once_by_owner_and_epoch_and_only_after_the_offering_mark(cfg: Config) -> None:
-    """The SIGTERM hand-over: a session's offers are open only once it wrote its offering mark (or died);
-    a take is one write conditioned on the offering owner and epoch, which records the offer's last_seq,
-    so a second delivery of the offer, or one for an older epoch, takes nothing."""
+    """The SIGTERM hand-over: a session's offers are open only once it wrote its offering mark with their
+    token (or died: then without the offer's resume point); a take is one write conditioned on the
+    offering owner and epoch, which records the offer's last_seq, so a second delivery of the offer, or
+    one for an older epoch, takes nothing."""
     async def main() -> None:
         async with clients(cfg) as c:
             leases = store(c.dynamodb, cfg)
@@ -515,9 +516,10 @@ def test_an_offer_is_taken_once_by_owner_and_epoch_and_only_after_the_offering_m
             won = await leases.claim("o", "t/5/a")
             assert won.outcome is Outcome.WON and won.item is not None
             epoch = won.item.lease_epoch
-            assert not await leases.offers_open("t/5/a")  # still streaming: an offer must not be taken
-            assert await leases.mark_offering("t/5/a") is Outcome.WON
-            assert await leases.offers_open("t/5/a")
+            assert await leases.offers_open("t/5/a", "k") is OffersOpen.NO  # still streaming: take nothing
+            assert await leases.mark_offering("t/5/a", "k") is Outcome.WON
+            assert await leases.offers_open("t/5/a", "k") is OffersOpen.WITH_SEQ
+            assert await leases.offers_open("t/5/a", "forged") is OffersOpen.NO
             assert (await leases.take("o", "t/6/b", "t/5/a", epoch - 1, 40)).outcome is Outcome.LOST
             taken = await leases.take("o", "t/6/b", "t/5/a", epoch, 41)
             assert taken.outcome is Outcome.WON and taken.item is not None
@@ -525,8 +527,9 @@ def test_an_offer_is_taken_once_by_owner_and_epoch_and_only_after_the_offering_m
             assert (await leases.take("o", "t/7/c", "t/5/a", epoch, 41)).outcome is Outcome.LOST  # delivered twice
             assert await leases.release("o", "t/5/a", epoch, 41) is Outcome.LOST  # the stopper's fallback too
             await leases.expire_session("t/5/a")
-            assert await leases.mark_offering("t/5/a") is Outcome.LOST  # a dead session marks nothing
-            assert await leases.offers_open("t/5/a")  # but a dead session streams nothing either
-            assert not await leases.offers_open("t/9/nobody")
+            assert await leases.mark_offering("t/5/a", "k2") is Outcome.LOST  # a dead session marks nothing
+            assert await leases.offers_open("t/5/a", "k") is OffersOpen.WITH_SEQ  # its own offers stay good
+            assert await leases.offers_open("t/5/a", "forged") is OffersOpen.DEAD  # others: no resume point
+            assert await leases.offers_open("t/9/nobody", "k") is OffersOpen.NO
 
     arun(main())

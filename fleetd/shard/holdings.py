@@ -223,6 +223,12 @@ class Holdings:
         h.tenure.event("restart")  # a new ws_url: same tenure, new socket
         h.conn = self._connect(item, h.cursor, last, h.tenure)  # same cursor: seqs keep increasing on it
 
+    def _within_deadline(self, h: Held, now: float) -> bool:
+        """The stream may still be streamed now: its session (or, in item mode, its own lease) is live."""
+        if self.ctx.cfg.lease.lease_mode == "item":
+            return now < h.deadline
+        return self.session.state.live(now)
+
     # ----- what the sink asks ----------------------------------------------------------------------------
 
     def may_write(self, cur: Cursor) -> bool:
@@ -252,6 +258,12 @@ class Holdings:
         (bounded by one phase); returns the deadline for the writes that hand them on."""
         for _, h in entries:
             h.releasing = True
+        # A polite close waits for the upstream's echo; past its deadline (a pause, a slow shutdown) a stream
+        # is fenced instead: its lease may be someone else's by now.
+        now = self.ctx.clock.monotonic()
+        for _, h in entries:
+            if h.conn is not None and not self._within_deadline(h, now):
+                h.conn.fence()
         await asyncio.gather(*(h.conn.close() for _, h in entries if h.conn is not None))
         phase_s = min(5.0, self.ctx.cfg.runtime.shutdown_budget_s / 4)
         await self.ctx.sink.wait_durable(self.ctx.sink_ddb, [h.cursor for _, h in entries], timeout_s=phase_s)

@@ -14,11 +14,12 @@ import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Container, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fleetd.aio import Guard, bounded, wait
 from fleetd.aws import Outcome
 from fleetd.hints import Hint, Offer
+from fleetd.lease import OffersOpen
 from fleetd.shard.claims import Claimer
 from fleetd.shard.context import Context
 from fleetd.shard.holdings import Holdings
@@ -29,14 +30,23 @@ BURST = 10  # messages in a full SQS receive: a peer is handing over many stream
 POLL_GRACE_S = 1.0  # a poll still open when the shard has stopped may answer this long
 
 
+@dataclass(frozen=True, slots=True)
+class Offered:
+    """One offer as received: the offering session and its token, and the stream."""
+
+    session_id: str
+    token: str
+    offer: Offer
+
+
 @dataclass(slots=True)
 class Sorted:
     """What to do with one receive's hints."""
 
     claims: list[str] = field(default_factory=list)  # claim now
     leftover: list[str] = field(default_factory=list)  # named in a hint we took, no room: send on to peers
-    offers: list[tuple[str, Offer]] = field(default_factory=list)  # (offering session, offer): take now
-    leftover_offers: list[tuple[str, Offer]] = field(default_factory=list)  # no room: offer on to peers
+    offers: list[Offered] = field(default_factory=list)  # take now
+    leftover_offers: list[Offered] = field(default_factory=list)  # no room: offer on to peers
     ours: list[str] = field(default_factory=list)  # held already: re-read (e.g. `ctl start` with a new URL)
     dead: list[str] = field(default_factory=list)  # dead sessions to take over by name
     taken: list[str] = field(default_factory=list)  # receipts to acknowledge
@@ -66,7 +76,8 @@ def sort_hints(hints: Sequence[Hint], held: Container[str], room: int, stopping:
             continue
         out.taken.append(hint.receipt)
         if hint.offered_by:  # an offer of a stream we hold is stale: dropped
-            offers = [(hint.offered_by, o) for o in hint.offers if o.connection_id not in held]
+            offers = [Offered(hint.offered_by, hint.offer_token, o) for o in hint.offers
+                      if o.connection_id not in held]
             out.offers += offers[:max(0, free)]
             out.leftover_offers += offers[max(0, free):]
             continue
@@ -125,15 +136,15 @@ class Inbox:
         # Concurrently: a peer handing over 1,000 streams hints them a hundred at a time.
         await bounded(todo.claims, self.ctx.cfg.lease.claim_concurrency,
                       lambda cid: self.claimer.claim(cid, source="hint"))
-        await self._take_offers(todo.offers)
+        todo.leftover_offers += await self._take_offers(todo.offers)
         if len(hints) >= BURST:
             # A full receive means a burst (a peer released its streams): the reconcile's index query
             # picks up in bulk what the hints still queued name.
             self.reconciler.wake()
         if todo.leftover:
             await hints_q.send_start(todo.leftover)
-        for sid, offers in _by_session(todo.leftover_offers).items():
-            await hints_q.send_offers(sid, offers)
+        for (sid, token), offers in _by_session(todo.leftover_offers).items():
+            await hints_q.send_offers(sid, token, offers)
         if todo.taken:
             await hints_q.ack(todo.taken)
         if todo.requeue:
@@ -142,24 +153,33 @@ class Inbox:
             await self.recheck(todo.ours)
         return True
 
-    async def _take_offers(self, offers: list[tuple[str, Offer]]) -> None:
-        """Take offers of sessions whose offers are open (their mark read consistently, once each): an
-        offer alone never takes a stream, since its session might still stream it."""
-        by_session = _by_session(offers)
-        for sid, mine in by_session.items():
-            if not await self.ctx.leases.offers_open(sid):
+    async def _take_offers(self, offers: list[Offered]) -> list[Offered]:
+        """Take offers of sessions whose offers are open (their mark read consistently, once per session):
+        an offer alone never takes a stream its session might still stream.  Returns what we did not try
+        (unreadable session, no room, no live session), to offer on to peers."""
+        untried: list[Offered] = []
+        for (sid, token), mine in _by_session(offers).items():
+            state = await self.ctx.leases.offers_open(sid, token)
+            if state is OffersOpen.UNKNOWN:
+                untried += [Offered(sid, token, o) for o in mine]
+                continue
+            if state is OffersOpen.NO:
                 self.ctx.stats.inc("hints_total", float(len(mine)), kind="offer_refused")
                 log.warning("offers refused: their session has not closed its streams",
                             extra={"offered_by": sid, "count": len(mine)})
                 continue
-            await bounded(mine, self.ctx.cfg.lease.claim_concurrency, functools.partial(self._take, sid))
+            # A dead session's offer without its mark proves no resume point: resume from the item's own.
+            take = functools.partial(self._take, sid, state is OffersOpen.WITH_SEQ)
+            results = await bounded(mine, self.ctx.cfg.lease.claim_concurrency, take)
+            untried += [Offered(sid, token, o) for o, r in zip(mine, results, strict=True) if r is None]
+        return untried
 
-    async def _take(self, offered_by: str, offer: Offer) -> Outcome | None:
-        return await self.claimer.take(offer, offered_by)
+    async def _take(self, offered_by: str, with_seq: bool, offer: Offer) -> Outcome | None:
+        return await self.claimer.take(offer if with_seq else replace(offer, last_seq=-1), offered_by)
 
 
-def _by_session(offers: list[tuple[str, Offer]]) -> dict[str, list[Offer]]:
-    out: dict[str, list[Offer]] = {}
-    for sid, offer in offers:
-        out.setdefault(sid, []).append(offer)
+def _by_session(offers: list[Offered]) -> dict[tuple[str, str], list[Offer]]:
+    out: dict[tuple[str, str], list[Offer]] = {}
+    for o in offers:
+        out.setdefault((o.session_id, o.token), []).append(o.offer)
     return out

@@ -264,24 +264,33 @@ class Shutdown:
         started = clock.monotonic()
         log.info("shutting down", extra={"held": len(p.holdings)})
         with p.ctx.tracer.span("shutdown", session_id=p.session.session_id, held=len(p.holdings)) as span:
-            mark = Phase("draining_mark", p.session.mark_draining, 1.0, quiet=True)
-            draining = asyncio.ensure_future(self._phase(mark, span))
-            deadline = min(p.session.deadline, p.items.next_deadline())
-            hand_over_s = max(0.5, min(self.budget_s / 2, OFFER_WAIT_S + 3.0, deadline - started))
-            await self._phase(Phase("hand_over", p.handoff.run, hand_over_s), span)
-            release_s = max(0.5, min(self.budget_s - 2.0 - (clock.monotonic() - started),
-                                     deadline - clock.monotonic()))
-            phases = (
-                Phase("release", lambda: p.holdings.release(p.holdings.ids(), hint=True, reason="shutdown"),
-                      release_s),
-                Phase("fence_remaining", self._fence_remaining, 1.0),
-                Phase("draining_mark_done", lambda: draining, 1.5, quiet=True),
-                Phase("disown_strays", p.reconciler.disown_strays, 2.0, quiet=True),
-                Phase("end_session", p.session.end, 1.5, quiet=True),
-            )
-            for phase in phases:
-                await self._phase(phase, span)
+            try:
+                await self._phases(span)
+            finally:
+                p.session.finish()  # renewing and fencing stop only now that nothing is held
         log.info("shard stopped", extra={"seconds": round(clock.monotonic() - started, 3)})
+
+    async def _phases(self, span: Span) -> None:
+        p = self.parts
+        clock = p.ctx.clock
+        started = clock.monotonic()
+        mark = Phase("draining_mark", p.session.mark_draining, 1.0, quiet=True)
+        draining = asyncio.ensure_future(self._phase(mark, span))
+        # The session is renewed (and fenced) through the shutdown, so the budget bounds it; item leases are
+        # no longer renewed, so in item mode the first item's deadline bounds it too.
+        deadline = p.items.next_deadline()
+        hand_over_s = max(0.5, min(self.budget_s / 2, OFFER_WAIT_S + 3.0, deadline - started))
+        await self._phase(Phase("hand_over", p.handoff.run, hand_over_s), span)
+        release_s = max(0.5, min(self.budget_s - 2.0 - (clock.monotonic() - started), deadline - clock.monotonic()))
+        phases = (
+            Phase("release", lambda: p.holdings.release(p.holdings.ids(), hint=True, reason="shutdown"), release_s),
+            Phase("fence_remaining", self._fence_remaining, 1.0),
+            Phase("draining_mark_done", lambda: draining, 1.5, quiet=True),
+            Phase("disown_strays", p.reconciler.disown_strays, 2.0, quiet=True),
+            Phase("end_session", p.session.end, 1.5, quiet=True),
+        )
+        for phase in phases:
+            await self._phase(phase, span)
 
     async def _fence_remaining(self) -> None:
         if len(self.parts.holdings):

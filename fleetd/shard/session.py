@@ -28,9 +28,9 @@ log = logging.getLogger(__name__)
 # After a peer marks that it handed us streams, we look for them this long: `by_owner` may show them
 # only after its lag, and a stream not found then waits for the periodic scan of our own items.
 HANDED_WATCH_S = 10.0
-# Renewals in flight at once: enough that two hung requests do not stop the heartbeat, few enough that a
+# Renewals in flight at once: enough that three hung requests do not stop the heartbeat, few enough that a
 # DynamoDB in trouble is not sent a growing pile of them.
-RENEWALS_IN_FLIGHT = 3
+RENEWALS_IN_FLIGHT = 4
 
 
 def fence_deadline(lease: LeaseConfig, sent_at: float) -> float:
@@ -108,6 +108,10 @@ class SessionKeeper:
         self.state = SessionState()
         self.replacing = asyncio.Lock()
         self._heartbeat_guard = Guard("heartbeat", ctx.count_error, log)
+        # Set by the shutdown once it has handed on or closed every stream (``finish``): the heartbeat and
+        # the fence loop run until then, not until ``stopping``, so that a shutdown (a long release, a
+        # pause in the middle of one) still renews the session and fences at its deadline.
+        self._finished = asyncio.Event()
 
     # ----- views ---------------------------------------------------------------------------------------
 
@@ -172,15 +176,16 @@ class SessionKeeper:
 
     async def _heartbeat_loop(self) -> None:
         """Renew every ``heartbeat_s`` counted from each send, so a slow answer does not stretch the
-        period; a renewal still unanswered one heartbeat after its send does not hold the next back
-        (at most ``RENEWALS_IN_FLIGHT`` at once), so a hung request costs a heartbeat, not a read
-        timeout.  After a failure the next goes after a sixth of a heartbeat (renewals have no SDK retries:
-        this loop is their retry policy).  Renewals may land out of order: the store
-        never lets the expiry move back, and each answer extends the deadline from its own send."""
+        period; a renewal still unanswered a third of a heartbeat after its send does not hold the next
+        back (at most ``RENEWALS_IN_FLIGHT`` at once), so a hung request costs a third of a heartbeat,
+        not a read timeout.  After a failure the next goes after a sixth of a heartbeat (renewals have no
+        SDK retries: this loop is their retry policy).  Renewals may land out of order: the store never
+        lets the expiry move back, and each answer extends the deadline from its own send.  Both this
+        and the fence loop run until the shutdown is done with every stream (``finish``)."""
         pending: set[asyncio.Task[bool]] = set()
         delay = self.ctx.cfg.lease.heartbeat_s
         try:
-            while not await wait(self.ctx.stopping, delay):
+            while not await wait(self._finished, delay):
                 delay = await self._beat(pending)
         finally:
             for task in pending:
@@ -198,9 +203,11 @@ class SessionKeeper:
         task = asyncio.ensure_future(self._heartbeat_guard.run(self.renew, False))
         pending.add(task)
         task.add_done_callback(pending.discard)
-        done, _ = await asyncio.wait({task}, timeout=beat)
+        done, _ = await asyncio.wait({task}, timeout=beat / 3)
         if task not in done:
-            return 0.0  # a heartbeat has passed since its send: the next goes now
+            # Unanswered a third of a heartbeat on, where an answer takes milliseconds: perhaps lost.  The
+            # next goes now (it may still answer; each answer counts from its own send).
+            return 0.0
         if not task.result():
             return retry
         return max(0.0, sent + beat - self.ctx.clock.monotonic())
@@ -209,7 +216,7 @@ class SessionKeeper:
         """Watchdog: fence everything at the session's deadline, however long a renewal call hangs.
         Unguarded on purpose: a fence that fails ends the shard process (its sockets die with it)
         rather than leave a stream open past its deadline."""
-        while not await wait(self.ctx.stopping, self._until_next_check()):
+        while not await wait(self._finished, self._until_next_check()):
             await self._enforce_deadline()
 
     def _until_next_check(self) -> float:
@@ -300,8 +307,14 @@ class SessionKeeper:
         """Peers stop handing us streams (best effort: one that still does gets them back)."""
         await self.ctx.leases.mark_draining(self.state.session_id)
 
+    def finish(self) -> None:
+        """The shutdown holds no stream any more: the heartbeat and the fence loop end (idempotent)."""
+        self._finished.set()
+
     async def end(self) -> None:
-        """Expire our session now: peers take over at once whatever we could not release."""
+        """Expire our session now: peers take over at once whatever we could not release.  Renewing ends
+        first, so no renewal of ours meets the tombstone."""
+        self.finish()
         sid = self.state.session_id
         clock = self.ctx.clock
         await retrying(lambda: self.ctx.leases.expire_session(sid), lambda o: o is Outcome.RETRYABLE,
