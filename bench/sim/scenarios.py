@@ -913,6 +913,131 @@ def _term_pause_slow_setup(w: World) -> None:
     w.sched.at(START + 6.0, term)
 
 
+# ----- adversarial review 2 of cec7611 (hand-over hardened) ----------------------------------------------
+
+
+def _judge_resumed(w: World, name: str, cids: list[str], within_s: float, at: float) -> None:
+    """``name`` fails for the streams of ``cids`` that no running shard streams ``within_s`` after ``at``."""
+    def judge() -> None:
+        running = {p.name for p in w.running_shards()}
+        slow = [c for c in cids if not any(r.proc in running for r in w.checker.open.get(c, []))]
+        if slow:
+            w.checker.fail(name, f"{len(slow)} of {len(cids)} streams of the SIGTERMed shard not streamed "
+                                 f"{within_s} s after the SIGTERM at {at - START:.3f}: {slow}")
+    w.sched.at(at + within_s, judge)
+
+
+def _term_handoff_defaults(p: Params) -> None:
+    """As ``term_handoff`` with fleetd's default session timings (TTL 6 s, heartbeat 1.5 s, margin 2 s, budget 20 s)."""
+    _term_handoff(p)
+    p.cfg = config.replace(p.cfg, lease_mode="session", lease_ttl_s=6.0, heartbeat_s=1.5, safety_margin_s=2.0,
+                           reconcile_s=5.0, desired_state_s=10.0, desired_sweep_s=60.0, aws_timeout_s=5.0,
+                           dead_session_grace_s=60.0, shutdown_budget_s=20.0, hint_wait_s=5, backoff_max_s=5.0)
+    half = int(p.cfg.lease.safety_margin_s * 500)
+    p.skews_ms = [max(-half, min(half, s)) for s in p.skews_ms]
+    p.faults_until = max(p.faults_until, 30.0)
+
+
+def _term_stall_setup(w: World) -> None:
+    """SIGTERM at START+6 s to the shard holding the most streams; one of its upstreams (the first of its
+    streams) stalls 10 ms before (no frames, no pongs, no echo of a CLOSE: ``up_stall``).  ``quiesce`` closes
+    every stream politely and waits for all the echoes together (2 s for the stalled one), in the hand-over
+    phase and again in the release phase, before any offer or release: the healthy streams must still be
+    streamed again by a peer within ``HANDOFF_S`` (``handoff_slow``), and within 3 s (``handoff_stalled``)."""
+    def stall() -> None:
+        victim, cids = _victim(w)
+        if not cids:
+            return
+        w.say(f"scenario: upstream of {cids[0]} stalls")
+        w.ups.stall(cids[0])
+
+    def term() -> None:
+        victim, cids = _victim(w)
+        w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
+        w.term(victim, replace_after=60.0)  # type: ignore[arg-type]
+        healthy = cids[1:]
+        _judge_resumed(w, "handoff_slow", healthy, HANDOFF_S, w.vt.now)
+        _judge_resumed(w, "handoff_stalled", healthy, 3.0, w.vt.now)
+
+    w.sched.at(START + 5.99, stall)
+    w.sched.at(START + 6.0, term)
+
+
+STORM_MAX_OFFERS = 20
+"""OFFER messages a shard may send on while it has no live session (it can take none of them meanwhile)."""
+
+
+def _offer_storm_setup(w: World) -> None:
+    """t0/s0's renewals are throttled from START+3 s, so it fences at its deadline D (its last good renewal's
+    send + TTL - margin) and gives its session up; its replacement's PutItems are throttled 5 times (seconds of
+    backoff).  t1/s0 is SIGTERMed 0.7 s before D: it still reads t0/s0 as a live peer with room, marks and offers
+    its streams.  t0/s0 receives the offers; its read of t1/s0's mark is answered 1 s late (a slow answer),
+    after D, so it takes none of them (``Claimer._claim``: no live session, None) and sends each one on as a new
+    OFFER message, which its next poll receives at once (it still has room: its holdings are empty): a loop at
+    SQS latency until its replacement opens.  It is a violation (``offer_storm``) to send more than 20 OFFER
+    messages on between D and the replacement's PutItem that succeeds."""
+    sessions = w.cfg.aws.sessions_table
+    ttl, margin = w.cfg.lease.lease_ttl_s, w.cfg.lease.safety_margin_s
+    st: dict[str, object] = {"sid": "", "last_ok": 0.0, "victim_sid": "", "from": 0.0, "offers": 0, "receives": 0,
+                             "judged": False}
+
+    def renewal(req: Request) -> bool:
+        if not (_is(req, "UpdateItem", sessions, "t0/s0") and "expires_at_ms = :exp" in _expr(req)):
+            return False
+        if req.sent_at < START + 3.0:
+            st["sid"], st["last_ok"] = _sid(req), req.sent_at
+            return False
+        return _sid(req) == st["sid"]
+
+    def plan() -> None:
+        deadline = float(str(st["last_ok"])) + ttl - margin
+        st["from"] = deadline
+        w.say(f"scenario: t0/s0's renewals are throttled; its deadline is {deadline - START:.3f}")
+        w.sched.at(deadline - 0.7, term)
+        w.sched.at(deadline + 0.001, lambda: w.say("scenario: t0/s0 is past its deadline"))
+
+    def term() -> None:
+        victims = [p for p in w.running_shards() if p.name.startswith("t1/s0")]
+        if not victims:
+            return
+        victim = victims[0]
+        st["victim_sid"] = victim.shard.session_id if victim.shard is not None else ""
+        cids = sorted(c for c, recs in w.checker.open.items() for r in recs if r.proc == victim.name)
+        w.say(f"scenario: SIGTERM {victim.name} holding {cids}")
+        w.term(victim, replace_after=60.0)
+
+    def judge() -> None:
+        if st["judged"] or not st["from"]:
+            return
+        st["judged"] = True
+        n, since = int(str(st["offers"])), w.vt.now - float(str(st["from"]))
+        w.say(f"scenario: t0/s0 sent {n} OFFER messages on ({st['receives']} receives) in {since:.2f} s "
+              f"without a live session")
+        if n > STORM_MAX_OFFERS:
+            w.checker.fail("offer_storm", f"t0/s0 sent {n} OFFER messages on ({st['receives']} receives) in "
+                                          f"{since:.2f} s without a live session")
+
+    def watch(req: Request) -> None:
+        if not req.proc.startswith("t0/s0") or not st["from"] or req.sent_at < float(str(st["from"])):
+            return
+        if st["judged"]:
+            return
+        if req.op == "SendMessageBatch" and '"OFFER"' in str(req.params.get("Entries")):
+            st["offers"] = int(str(st["offers"])) + len(req.params.get("Entries", []))
+        elif req.op == "ReceiveMessage":
+            st["receives"] = int(str(st["receives"])) + 1
+        elif req.op == "PutItem" and req.table == sessions and req.fault == "ok":
+            judge()
+
+    w.net.on_send.append(watch)
+    w.net.rule(renewal, "throttle", times=10_000)
+    w.net.rule(lambda r: _is(r, "PutItem", sessions, "t0/s0") and r.sent_at > START + 3.0, "throttle", times=5)
+    w.net.rule(lambda r: _is(r, "GetItem", sessions, "t0/s0") and bool(st["victim_sid"])
+               and _sid(r) == st["victim_sid"], "delay", times=1, delay_s=1.0)
+    w.sched.at(START + 3.0, plan)
+    w.sched.at(START + w.p.faults_until, judge)
+
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("calm", "no request faults and no lifecycle events", calm),
     Scenario("unsafe_skew", "one shard's clock far beyond safety_margin_s (SPEC: voids the guarantee)", _unsafe_skew),
@@ -959,6 +1084,12 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              _term_handoff, _term_pause_slow_setup),
     Scenario("term_pause_fixed", "review: as term_pause, the SIGSTOP 5 ms after the SIGTERM",
              _term_handoff, _term_pause_fixed_setup),
+    Scenario("term_stall", "review 2: one upstream of the SIGTERMed shard stalls (no CLOSE echo) just before",
+             _term_handoff, _term_stall_setup),
+    Scenario("term_stall_defaults", "review 2: term_stall with the default session timings (6 / 1.5 / 2 s, budget 20 s)",
+             _term_handoff_defaults, _term_stall_setup),
+    Scenario("offer_storm", "review 2: a peer without a live session sends every OFFER it receives on, in a loop",
+             _term_handoff, _offer_storm_setup),
 )}
 
 
