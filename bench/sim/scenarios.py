@@ -1038,6 +1038,74 @@ def _offer_storm_setup(w: World) -> None:
     w.sched.at(START + w.p.faults_until, judge)
 
 
+def _item_term_stall(p: Params) -> None:
+    """Item mode, the CI timings with a safety margin of 0.1 s (SPEC: the margin need only cover the clock skew,
+    here none), reconcile every 0.5 s."""
+    quiet(p)
+    fast(p, lease_mode="item", rebalance_s=0.0, max_connections_per_shard=700, safety_margin_s=0.1, reconcile_s=0.5)
+    p.tasks, p.shards_per_task = 2, 1
+    p.conns = max(p.conns, 8)
+    p.skews_ms = [0] * len(p.skews_ms)
+    p.index_lag_ms = (0, 5)
+    p.faults_until = max(p.faults_until, 16.0)
+
+
+def _item_term_stall_skew(p: Params) -> None:
+    """As ``item_term_stall`` with a margin of 0.4 s and the clocks 0.2 s apart each way (t0/s0 ahead, t1/s0
+    behind: a difference of the margin, as SPEC allows)."""
+    _item_term_stall(p)
+    p.cfg = config.replace(p.cfg, safety_margin_s=0.4)
+    p.skews_ms = [200, -200] * 32
+
+
+def _item_term_stall_setup(w: World) -> None:
+    """Item mode.  From START+5 s the renewals of one stream X of the shard holding the most streams are
+    throttled, so its item lease runs out: deadline D = the last good renewal's send + TTL - margin.  5 ms
+    before D, X's upstream stalls (no echo of a CLOSE) and the shard is SIGTERMed.  The item renewals and the
+    item fence loop end at ``stopping``; the release phase is bounded by ``max(0.5, D - now)`` = 0.5 s; its
+    ``quiesce`` finds X within its deadline and closes it politely, waiting for the echo: the socket stays open
+    until the phase times out, ~0.495 s past D.  A peer may claim X from its expiry + margin = D + 2 x margin
+    = D + 0.2 s (one_streamer_socket)."""
+    conns = w.cfg.aws.connections_table
+    ttl, margin = w.cfg.lease.lease_ttl_s, w.cfg.lease.safety_margin_s
+    st: dict[str, object] = {"victim": None, "cid": "", "last_ok": 0.0, "throttle": False}
+
+    def renewal(req: Request) -> bool:
+        victim = st["victim"]
+        if (victim is None or req.proc != victim.name or not _is(req, "UpdateItem", conns, "t")  # type: ignore[attr-defined]
+                or _cid(req) != st["cid"] or _expr(req) != "SET lease_expires_at_ms = :exp"):
+            return False
+        if not st["throttle"]:
+            st["last_ok"] = req.sent_at
+            return False
+        return True
+
+    def pick() -> None:
+        victim, cids = _victim(w)
+        if not cids:
+            return
+        st["victim"], st["cid"] = victim, cids[0]
+        w.say(f"scenario: {victim.name} holds {cids}; the renewals of {cids[0]} will be throttled")  # type: ignore[attr-defined]
+
+    def throttle() -> None:
+        if st["victim"] is None:
+            return
+        st["throttle"] = True
+        deadline = float(str(st["last_ok"])) + ttl - margin
+        w.say(f"scenario: {st['cid']}'s renewals throttled from now; its deadline is {deadline - START:.3f}")
+        w.sched.at(deadline - 0.005, term)
+
+    def term() -> None:
+        victim = st["victim"]
+        w.say(f"scenario: upstream of {st['cid']} stalls; SIGTERM {victim.name}")  # type: ignore[attr-defined]
+        w.ups.stall(str(st["cid"]))
+        w.term(victim, replace_after=60.0)  # type: ignore[arg-type]
+
+    w.net.rule(renewal, "throttle", times=10_000)
+    w.sched.at(START + 4.0, pick)
+    w.sched.at(START + 5.0, throttle)
+
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("calm", "no request faults and no lifecycle events", calm),
     Scenario("unsafe_skew", "one shard's clock far beyond safety_margin_s (SPEC: voids the guarantee)", _unsafe_skew),
@@ -1090,6 +1158,10 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              _term_handoff_defaults, _term_stall_setup),
     Scenario("offer_storm", "review 2: a peer without a live session sends every OFFER it receives on, in a loop",
              _term_handoff, _offer_storm_setup),
+    Scenario("item_term_stall", "review 2: item mode, margin 0.1 s: a stalled stream near its item deadline at SIGTERM",
+             _item_term_stall, _item_term_stall_setup),
+    Scenario("item_term_stall_skew", "review 2: item_term_stall, margin 0.4 s, clocks 0.2 s ahead / behind",
+             _item_term_stall_skew, _item_term_stall_setup),
 )}
 
 
