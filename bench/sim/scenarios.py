@@ -1106,6 +1106,78 @@ def _item_term_stall_setup(w: World) -> None:
     w.sched.at(START + 5.0, throttle)
 
 
+def _term_interrupt(w: World, step: str, action: str) -> None:
+    """SIGTERM at START+6 s to the shard holding the most streams; the moment its hand-over sends ``step`` (``loads``:
+    its read of peers' loads, after ``quiesce``; ``mark``: the offering mark; ``offers``: the OFFER messages) it is
+    ``action``ed: SIGKILLed (its supervisor expires its session and restarts it with that predecessor) or SIGSTOPped
+    for 2 x TTL.  Safety and end checks only."""
+    sessions = w.cfg.aws.sessions_table
+    st: dict[str, object] = {"victim": None, "done": False}
+
+    def term() -> None:
+        victim, cids = _victim(w)
+        st["victim"] = victim
+        w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
+        w.term(victim, replace_after=60.0)  # type: ignore[arg-type]
+
+    def hit(req: Request) -> bool:
+        if step == "loads":
+            return req.op == "BatchGetItem" and sessions in req.params.get("RequestItems", {})
+        if step == "mark":
+            return req.op == "UpdateItem" and req.table == sessions and "offering_at_ms" in _expr(req)
+        return req.op == "SendMessageBatch" and '"OFFER"' in str(req.params.get("Entries"))
+
+    def watch(req: Request) -> None:
+        victim = st["victim"]
+        if victim is None or st["done"] or req.proc != victim.name or not hit(req):  # type: ignore[attr-defined]
+            return
+        st["done"] = True
+        w.say(f"scenario: the stopping shard sends its {step}: {action} it")
+
+        def act() -> None:
+            if action == "kill":
+                victim.stop_requested = False  # type: ignore[attr-defined]
+                w.crash(victim)  # type: ignore[arg-type]
+            else:
+                w.pause(victim, 2 * w.cfg.lease.lease_ttl_s)  # type: ignore[arg-type]
+        w.sched.at(w.vt.now + 0.0005, act)
+
+    w.net.on_send.append(watch)
+    w.sched.at(START + 6.0, term)
+
+
+def _offer_token_stolen_setup(w: World) -> None:
+    """SIGTERM at START+6 s to the shard holding the most streams.  A process that may receive from the hints
+    queue (any shard's credentials, a DLQ redrive tool, an operator's ``aws sqs receive-message``) receives its
+    OFFER messages before the peers do and sends them again with the same session id and token, each
+    ``last_seq`` 40 past what the stopping shard offered (here: the bodies are rewritten on the wire, which is
+    what receive + delete + send amounts to).  The token is a bearer secret carried in every OFFER body (and
+    in every copy a peer sends on), so ``offers_open`` answers WITH_SEQ and the take writes the forged
+    ``last_seq`` into the item: the peer resumes after it (checkpoint_ahead; the skipped seqs are never
+    written: lost_seq)."""
+    st: dict[str, object] = {"victim": ""}
+
+    def term() -> None:
+        victim, cids = _victim(w)
+        st["victim"] = victim.name  # type: ignore[attr-defined]
+        w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
+        w.term(victim, replace_after=60.0)  # type: ignore[arg-type]
+
+    def forge(req: Request) -> None:
+        if req.op != "SendMessageBatch" or req.proc != st["victim"]:
+            return
+        for e in req.params.get("Entries", []):
+            body = json.loads(str(e.get("MessageBody", "")))
+            if body.get("type") != "OFFER":
+                continue
+            body["offers"] = [[c, ep, seq + FORGED_AHEAD] for c, ep, seq in body["offers"]]
+            e["MessageBody"] = json.dumps(body)
+            w.say(f"scenario: OFFER replaced on the wire, same token: {e['MessageBody'][:160]}")
+
+    w.net.on_send.insert(0, forge)
+    w.sched.at(START + 6.0, term)
+
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("calm", "no request faults and no lifecycle events", calm),
     Scenario("unsafe_skew", "one shard's clock far beyond safety_margin_s (SPEC: voids the guarantee)", _unsafe_skew),
@@ -1162,6 +1234,20 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              _item_term_stall, _item_term_stall_setup),
     Scenario("item_term_stall_skew", "review 2: item_term_stall, margin 0.4 s, clocks 0.2 s ahead / behind",
              _item_term_stall_skew, _item_term_stall_setup),
+    Scenario("offer_token_stolen", "review 2: a queue reader re-sends the OFFERs with their token, last_seq + 40",
+             _term_handoff, _offer_token_stolen_setup),
+    Scenario("term_kill_loads", "review 2 (holds?): SIGTERM, then kill as the hand-over sends its loads",
+             _term_handoff, lambda w: _term_interrupt(w, "loads", "kill")),
+    Scenario("term_pause_loads", "review 2 (holds?): SIGTERM, then pause as the hand-over sends its loads",
+             _term_handoff, lambda w: _term_interrupt(w, "loads", "pause")),
+    Scenario("term_kill_mark", "review 2 (holds?): SIGTERM, then kill as the hand-over sends its mark",
+             _term_handoff, lambda w: _term_interrupt(w, "mark", "kill")),
+    Scenario("term_pause_mark", "review 2 (holds?): SIGTERM, then pause as the hand-over sends its mark",
+             _term_handoff, lambda w: _term_interrupt(w, "mark", "pause")),
+    Scenario("term_kill_offers", "review 2 (holds?): SIGTERM, then kill as the hand-over sends its offers",
+             _term_handoff, lambda w: _term_interrupt(w, "offers", "kill")),
+    Scenario("term_pause_offers", "review 2 (holds?): SIGTERM, then pause as the hand-over sends its offers",
+             _term_handoff, lambda w: _term_interrupt(w, "offers", "pause")),
 )}
 
 
