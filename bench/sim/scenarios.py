@@ -1178,6 +1178,103 @@ def _offer_token_stolen_setup(w: World) -> None:
     w.sched.at(START + 6.0, term)
 
 
+def _term_fence_midway(w: World, before_s: float) -> None:
+    """t1/s0's renewals are throttled from START+4 s: its fence deadline D falls during its shutdown, SIGTERMed
+    ``before_s`` before D (the fence loop, running until ``finish``, fences and tombstones the session in the middle
+    of the hand-over or the release).  t0/s0's reads of the mark and its takes are answered 0.6 s late, so the takes
+    race the fence, the tombstone and t0/s0's own dead-session takeover.  Safety and end checks only."""
+    sessions, conns = w.cfg.aws.sessions_table, w.cfg.aws.connections_table
+    ttl, margin = w.cfg.lease.lease_ttl_s, w.cfg.lease.safety_margin_s
+    st: dict[str, object] = {"sid": "", "last_ok": 0.0}
+
+    def renewal(req: Request) -> bool:
+        if not (_is(req, "UpdateItem", sessions, "t1/s0") and "expires_at_ms = :exp" in _expr(req)):
+            return False
+        if req.sent_at < START + 4.0:
+            st["sid"], st["last_ok"] = _sid(req), req.sent_at
+            return False
+        return _sid(req) == st["sid"]
+
+    def plan() -> None:
+        deadline = float(str(st["last_ok"])) + ttl - margin
+        w.say(f"scenario: t1/s0's renewals throttled; deadline {deadline - START:.3f}; SIGTERM {before_s} s before")
+        w.sched.at(deadline - before_s, term)
+
+    def term() -> None:
+        victims = [p for p in w.running_shards() if p.name.startswith("t1/s0")]
+        if victims:
+            w.term(victims[0], replace_after=60.0)
+
+    w.net.rule(renewal, "throttle", times=10_000)
+    w.net.rule(lambda r: r.proc.startswith("t0/s0") and r.sent_at > START + 4.0
+               and ((r.op == "GetItem" and r.table == sessions and _sid(r) == st["sid"])
+                    or (r.op == "UpdateItem" and r.table == conns and ":from" in _values(r))),
+               "delay", times=10_000, delay_s=0.6)
+    w.sched.at(START + 4.0, plan)
+
+
+def _three_tasks(p: Params) -> None:
+    _term_handoff(p)
+    p.tasks = 3
+
+
+def _term_receiver_term_setup(w: World) -> None:
+    """SIGTERM at START+6 s to the shard holding the most streams; the first peer that sends a take of its offers
+    is SIGTERMed at that moment (its takes land after its ``stopping``: won too late, given back with hints) and
+    the third shard picks them up.  Both are replaced 1 s later.  Safety and end checks only."""
+    conns = w.cfg.aws.connections_table
+    st: dict[str, object] = {"victim": "", "second": False}
+
+    def term() -> None:
+        victim, cids = _victim(w)
+        st["victim"] = victim.name  # type: ignore[attr-defined]
+        w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
+        w.term(victim, replace_after=1.0)  # type: ignore[arg-type]
+
+    def watch(req: Request) -> None:
+        if (st["second"] or not st["victim"] or req.proc == st["victim"] or req.op != "UpdateItem"
+                or req.table != conns or ":from" not in _values(req)):
+            return
+        st["second"] = True
+        procs = [p for p in w.running_shards() if p.name == req.proc]
+        if procs:
+            w.say(f"scenario: {req.proc} takes an offer: SIGTERM it")
+            w.term(procs[0], replace_after=1.0)
+
+    w.net.on_send.append(watch)
+    w.sched.at(START + 6.0, term)
+
+
+def _offer_old_sender_setup(w: World) -> None:
+    """A rolling deploy from 7f27644 (offers without a token) to cec7611: ``term_handoff`` (SIGTERM at START+6 s,
+    judged at ``HANDOFF_S``), where the SIGTERMed shard runs the previous release, whose OFFER bodies carry no
+    ``token`` (``offer_body(session_id, offers)``) and whose mark is ``SET offering_at_ms`` alone: emulated here by
+    dropping the token from its OFFER bodies on the wire (a receiver then reads the same thing: a live session with
+    no matching token).  The new receivers answer ``offers_open`` NO for every one of them (alive, no token),
+    refuse and delete the messages; the streams wait out ``OFFER_WAIT_S`` and the release phase
+    (``handoff_slow``) on every SIGTERM of the deploy."""
+    st: dict[str, object] = {"victim": ""}
+
+    def term() -> None:
+        victim, cids = _victim(w)
+        st["victim"] = victim.name  # type: ignore[attr-defined]
+        w.say(f"scenario: SIGTERM {victim.name} (previous release) holding {cids}")  # type: ignore[attr-defined]
+        w.term(victim, replace_after=60.0)  # type: ignore[arg-type]
+        _judge_resumed(w, "handoff_slow", cids, HANDOFF_S, w.vt.now)
+
+    def old(req: Request) -> None:
+        if req.op != "SendMessageBatch" or req.proc != st["victim"]:
+            return
+        for e in req.params.get("Entries", []):
+            body = json.loads(str(e.get("MessageBody", "")))
+            if body.get("type") == "OFFER":
+                body.pop("token", None)
+                e["MessageBody"] = json.dumps(body)
+
+    w.net.on_send.insert(0, old)
+    w.sched.at(START + 6.0, term)
+
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("calm", "no request faults and no lifecycle events", calm),
     Scenario("unsafe_skew", "one shard's clock far beyond safety_margin_s (SPEC: voids the guarantee)", _unsafe_skew),
@@ -1236,6 +1333,20 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              _item_term_stall_skew, _item_term_stall_setup),
     Scenario("offer_token_stolen", "review 2: a queue reader re-sends the OFFERs with their token, last_seq + 40",
              _term_handoff, _offer_token_stolen_setup),
+    Scenario("offer_old_sender", "review 2: rolling deploy, the stopper runs 7f27644 (OFFERs without a token)",
+             _term_handoff, _offer_old_sender_setup),
+    Scenario("term_receiver_term", "review 2 (holds?): the peer taking the offers is SIGTERMed as it sends its first take",
+             _three_tasks, _term_receiver_term_setup),
+    Scenario("term_fence_005", "review 2 (holds?): the fence deadline 0.05 s after the SIGTERM, takes answered late",
+             _term_handoff, lambda w: _term_fence_midway(w, 0.05)),
+    Scenario("term_fence_03", "review 2 (holds?): the fence deadline 0.3 s after the SIGTERM, takes answered late",
+             _term_handoff, lambda w: _term_fence_midway(w, 0.3)),
+    Scenario("term_fence_06", "review 2 (holds?): the fence deadline 0.6 s after the SIGTERM, takes answered late",
+             _term_handoff, lambda w: _term_fence_midway(w, 0.6)),
+    Scenario("term_fence_12", "review 2 (holds?): the fence deadline 1.2 s after the SIGTERM, takes answered late",
+             _term_handoff, lambda w: _term_fence_midway(w, 1.2)),
+    Scenario("term_fence_20", "review 2 (holds?): the fence deadline 2.0 s after the SIGTERM, takes answered late",
+             _term_handoff, lambda w: _term_fence_midway(w, 2.0)),
     Scenario("term_kill_loads", "review 2 (holds?): SIGTERM, then kill as the hand-over sends its loads",
              _term_handoff, lambda w: _term_interrupt(w, "loads", "kill")),
     Scenario("term_pause_loads", "review 2 (holds?): SIGTERM, then pause as the hand-over sends its loads",
