@@ -945,7 +945,7 @@ def _term_stall_setup(w: World) -> None:
     phase and again in the release phase, before any offer or release: the healthy streams must still be
     streamed again by a peer within ``HANDOFF_S`` (``handoff_slow``), and within 3 s (``handoff_stalled``)."""
     def stall() -> None:
-        victim, cids = _victim(w)
+        _, cids = _victim(w)
         if not cids:
             return
         w.say(f"scenario: upstream of {cids[0]} stalls")
@@ -1275,6 +1275,56 @@ def _offer_old_sender_setup(w: World) -> None:
     w.sched.at(START + 6.0, term)
 
 
+def _task_term(p: Params) -> None:
+    _term_handoff(p)
+    p.tasks, p.shards_per_task = 2, 2
+
+
+def _task_term_setup(w: World) -> None:
+    """A deploy's SIGTERM as the supervisor sends it: every shard of the task holding the most streams at once
+    (START+6 s); its streams must be streamed again by the other task's shards within ``HANDOFF_S``."""
+    def term() -> None:
+        shards = w.running_shards()
+        held = {p.name: sorted(c for c, recs in w.checker.open.items() for r in recs if r.proc == p.name)
+                for p in shards}
+        by_task: dict[str, list[str]] = {}
+        for p in shards:
+            by_task.setdefault(p.task.task_id if p.task else "", []).extend(held[p.name])
+        task = max(sorted(by_task), key=lambda t: len(by_task[t]))
+        w.say(f"scenario: SIGTERM every shard of {task}, holding {sorted(by_task[task])}")
+        for p in shards:
+            if p.task is not None and p.task.task_id == task:
+                w.term(p, replace_after=60.0)
+        _judge_resumed(w, "handoff_slow", sorted(by_task[task]), HANDOFF_S, w.vt.now)
+
+    w.sched.at(START + 6.0, term)
+
+
+def _term_hedge_skew(at: float, slow: bool = False) -> Callable[[World], None]:
+    """``renew_hedge_skew`` (default session timings, skew 0.99 s each way, t0/s0's renewals lost / 3 s late /
+    applied again out of order, all throttled from START+12 s to START+17 s), and t0/s0 SIGTERMed at ``at``
+    (its renewals and fence loop run through its 20 s shutdown budget).  With ``slow``, every take of its offers
+    is throttled, and so are its own writes to the connections table for 6 s from the SIGTERM: its release phase
+    retries through its fence deadline.  Safety and end checks only."""
+    def setup(w: World) -> None:
+        _renew_hedge_skew_setup(w)
+        conns = w.cfg.aws.connections_table
+        if slow:
+            w.net.rule(lambda r: _is(r, "UpdateItem", conns, "t1/") and ":from" in _values(r), "throttle",
+                       times=10_000)
+            w.net.rule(lambda r: _is(r, "UpdateItem", conns, "t0/s0") and START + at <= r.sent_at < START + at + 6.0,
+                       "throttle", times=10_000)
+
+        def term() -> None:
+            procs = [p for p in w.running_shards() if p.name.startswith("t0/s0")]
+            if procs:
+                cids = sorted(c for c, recs in w.checker.open.items() for r in recs if r.proc == procs[0].name)
+                w.say(f"scenario: SIGTERM {procs[0].name} holding {cids}")
+                w.term(procs[0], replace_after=60.0)
+        w.sched.at(START + at, term)
+    return setup
+
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("calm", "no request faults and no lifecycle events", calm),
     Scenario("unsafe_skew", "one shard's clock far beyond safety_margin_s (SPEC: voids the guarantee)", _unsafe_skew),
@@ -1323,7 +1373,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              _term_handoff, _term_pause_fixed_setup),
     Scenario("term_stall", "review 2: one upstream of the SIGTERMed shard stalls (no CLOSE echo) just before",
              _term_handoff, _term_stall_setup),
-    Scenario("term_stall_defaults", "review 2: term_stall with the default session timings (6 / 1.5 / 2 s, budget 20 s)",
+    Scenario("term_stall_defaults", "review 2: term_stall, default session timings (6 / 1.5 / 2 s, budget 20 s)",
              _term_handoff_defaults, _term_stall_setup),
     Scenario("offer_storm", "review 2: a peer without a live session sends every OFFER it receives on, in a loop",
              _term_handoff, _offer_storm_setup),
@@ -1335,29 +1385,43 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              _term_handoff, _offer_token_stolen_setup),
     Scenario("offer_old_sender", "review 2: rolling deploy, the stopper runs 7f27644 (OFFERs without a token)",
              _term_handoff, _offer_old_sender_setup),
-    Scenario("term_receiver_term", "review 2 (holds?): the peer taking the offers is SIGTERMed as it sends its first take",
+    Scenario("task_term", "review 2: a task's SIGTERM reaches both its shards at once (2 tasks x 2 shards)",
+             _task_term, _task_term_setup),
+    Scenario("term_hedge_skew_8", "review 2 (holds): renew_hedge_skew, t0/s0 SIGTERMed at START+8.0 s",
+             _renew_hedge_skew, _term_hedge_skew(8.0)),
+    Scenario("term_hedge_skew_11", "review 2 (holds): renew_hedge_skew, t0/s0 SIGTERMed at START+11.0 s",
+             _renew_hedge_skew, _term_hedge_skew(11.0)),
+    Scenario("term_hedge_skew_13", "review 2 (holds): renew_hedge_skew, t0/s0 SIGTERMed at START+13.0 s",
+             _renew_hedge_skew, _term_hedge_skew(13.0)),
+    Scenario("term_hedge_slow_8", "review 2 (holds): term_hedge_skew_8, takes and its releases throttled",
+             _renew_hedge_skew, _term_hedge_skew(8.0, slow=True)),
+    Scenario("term_hedge_slow_11", "review 2 (holds): term_hedge_skew_11, takes and its releases throttled",
+             _renew_hedge_skew, _term_hedge_skew(11.0, slow=True)),
+    Scenario("term_hedge_slow_13", "review 2 (holds): term_hedge_skew_13, takes and its releases throttled",
+             _renew_hedge_skew, _term_hedge_skew(13.0, slow=True)),
+    Scenario("term_receiver_term", "review 2 (holds): the peer taking the offers is SIGTERMed at its first take",
              _three_tasks, _term_receiver_term_setup),
-    Scenario("term_fence_005", "review 2 (holds?): the fence deadline 0.05 s after the SIGTERM, takes answered late",
+    Scenario("term_fence_005", "review 2 (holds): the fence deadline 0.05 s after the SIGTERM, takes answered late",
              _term_handoff, lambda w: _term_fence_midway(w, 0.05)),
-    Scenario("term_fence_03", "review 2 (holds?): the fence deadline 0.3 s after the SIGTERM, takes answered late",
+    Scenario("term_fence_03", "review 2 (holds): the fence deadline 0.3 s after the SIGTERM, takes answered late",
              _term_handoff, lambda w: _term_fence_midway(w, 0.3)),
-    Scenario("term_fence_06", "review 2 (holds?): the fence deadline 0.6 s after the SIGTERM, takes answered late",
+    Scenario("term_fence_06", "review 2 (holds): the fence deadline 0.6 s after the SIGTERM, takes answered late",
              _term_handoff, lambda w: _term_fence_midway(w, 0.6)),
-    Scenario("term_fence_12", "review 2 (holds?): the fence deadline 1.2 s after the SIGTERM, takes answered late",
+    Scenario("term_fence_12", "review 2 (holds): the fence deadline 1.2 s after the SIGTERM, takes answered late",
              _term_handoff, lambda w: _term_fence_midway(w, 1.2)),
-    Scenario("term_fence_20", "review 2 (holds?): the fence deadline 2.0 s after the SIGTERM, takes answered late",
+    Scenario("term_fence_20", "review 2 (holds): the fence deadline 2.0 s after the SIGTERM, takes answered late",
              _term_handoff, lambda w: _term_fence_midway(w, 2.0)),
-    Scenario("term_kill_loads", "review 2 (holds?): SIGTERM, then kill as the hand-over sends its loads",
+    Scenario("term_kill_loads", "review 2 (holds): SIGTERM, then kill as the hand-over sends its loads",
              _term_handoff, lambda w: _term_interrupt(w, "loads", "kill")),
-    Scenario("term_pause_loads", "review 2 (holds?): SIGTERM, then pause as the hand-over sends its loads",
+    Scenario("term_pause_loads", "review 2 (holds): SIGTERM, then pause as the hand-over sends its loads",
              _term_handoff, lambda w: _term_interrupt(w, "loads", "pause")),
-    Scenario("term_kill_mark", "review 2 (holds?): SIGTERM, then kill as the hand-over sends its mark",
+    Scenario("term_kill_mark", "review 2 (holds): SIGTERM, then kill as the hand-over sends its mark",
              _term_handoff, lambda w: _term_interrupt(w, "mark", "kill")),
-    Scenario("term_pause_mark", "review 2 (holds?): SIGTERM, then pause as the hand-over sends its mark",
+    Scenario("term_pause_mark", "review 2 (holds): SIGTERM, then pause as the hand-over sends its mark",
              _term_handoff, lambda w: _term_interrupt(w, "mark", "pause")),
-    Scenario("term_kill_offers", "review 2 (holds?): SIGTERM, then kill as the hand-over sends its offers",
+    Scenario("term_kill_offers", "review 2 (holds): SIGTERM, then kill as the hand-over sends its offers",
              _term_handoff, lambda w: _term_interrupt(w, "offers", "kill")),
-    Scenario("term_pause_offers", "review 2 (holds?): SIGTERM, then pause as the hand-over sends its offers",
+    Scenario("term_pause_offers", "review 2 (holds): SIGTERM, then pause as the hand-over sends its offers",
              _term_handoff, lambda w: _term_interrupt(w, "offers", "pause")),
 )}
 
