@@ -913,6 +913,418 @@ def _term_pause_slow_setup(w: World) -> None:
     w.sched.at(START + 6.0, term)
 
 
+# ----- adversarial review 2 of cec7611 (hand-over hardened) ----------------------------------------------
+
+
+def _judge_resumed(w: World, name: str, cids: list[str], within_s: float, at: float) -> None:
+    """``name`` fails for the streams of ``cids`` that no running shard streams ``within_s`` after ``at``."""
+    def judge() -> None:
+        running = {p.name for p in w.running_shards()}
+        slow = [c for c in cids if not any(r.proc in running for r in w.checker.open.get(c, []))]
+        if slow:
+            w.checker.fail(name, f"{len(slow)} of {len(cids)} streams of the SIGTERMed shard not streamed "
+                                 f"{within_s} s after the SIGTERM at {at - START:.3f}: {slow}")
+    w.sched.at(at + within_s, judge)
+
+
+def _term_handoff_defaults(p: Params) -> None:
+    """As ``term_handoff`` with fleetd's default session timings (TTL 6 s, heartbeat 1.5 s, margin 2 s, budget 20 s)."""
+    _term_handoff(p)
+    p.cfg = config.replace(p.cfg, lease_mode="session", lease_ttl_s=6.0, heartbeat_s=1.5, safety_margin_s=2.0,
+                           reconcile_s=5.0, desired_state_s=10.0, desired_sweep_s=60.0, aws_timeout_s=5.0,
+                           dead_session_grace_s=60.0, shutdown_budget_s=20.0, hint_wait_s=5, backoff_max_s=5.0)
+    half = int(p.cfg.lease.safety_margin_s * 500)
+    p.skews_ms = [max(-half, min(half, s)) for s in p.skews_ms]
+    p.faults_until = max(p.faults_until, 30.0)
+
+
+def _term_stall_setup(w: World) -> None:
+    """SIGTERM at START+6 s to the shard holding the most streams; one of its upstreams (the first of its
+    streams) stalls 10 ms before (no frames, no pongs, no echo of a CLOSE: ``up_stall``).  ``quiesce`` closes
+    every stream politely and waits for all the echoes together (2 s for the stalled one), in the hand-over
+    phase and again in the release phase, before any offer or release: the healthy streams must still be
+    streamed again by a peer within ``HANDOFF_S`` (``handoff_slow``), and within 3 s (``handoff_stalled``)."""
+    def stall() -> None:
+        _, cids = _victim(w)
+        if not cids:
+            return
+        w.say(f"scenario: upstream of {cids[0]} stalls")
+        w.ups.stall(cids[0])
+
+    def term() -> None:
+        victim, cids = _victim(w)
+        w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
+        w.term(victim, replace_after=60.0)  # type: ignore[arg-type]
+        healthy = cids[1:]
+        _judge_resumed(w, "handoff_slow", healthy, HANDOFF_S, w.vt.now)
+        _judge_resumed(w, "handoff_stalled", healthy, 3.0, w.vt.now)
+
+    w.sched.at(START + 5.99, stall)
+    w.sched.at(START + 6.0, term)
+
+
+STORM_MAX_OFFERS = 20
+"""OFFER messages a shard may send on while it has no live session (it can take none of them meanwhile)."""
+
+
+def _offer_storm_setup(w: World) -> None:
+    """t0/s0's renewals are throttled from START+3 s, so it fences at its deadline D (its last good renewal's
+    send + TTL - margin) and gives its session up; its replacement's PutItems are throttled 5 times (seconds of
+    backoff).  t1/s0 is SIGTERMed 0.7 s before D: it still reads t0/s0 as a live peer with room, marks and offers
+    its streams.  t0/s0 receives the offers; its read of t1/s0's mark is answered 1 s late (a slow answer),
+    after D, so it takes none of them (``Claimer._claim``: no live session, None) and sends each one on as a new
+    OFFER message, which its next poll receives at once (it still has room: its holdings are empty): a loop at
+    SQS latency until its replacement opens.  It is a violation (``offer_storm``) to send more than 20 OFFER
+    messages on between D and the replacement's PutItem that succeeds."""
+    sessions = w.cfg.aws.sessions_table
+    ttl, margin = w.cfg.lease.lease_ttl_s, w.cfg.lease.safety_margin_s
+    st: dict[str, object] = {"sid": "", "last_ok": 0.0, "victim_sid": "", "from": 0.0, "offers": 0, "receives": 0,
+                             "judged": False}
+
+    def renewal(req: Request) -> bool:
+        if not (_is(req, "UpdateItem", sessions, "t0/s0") and "expires_at_ms = :exp" in _expr(req)):
+            return False
+        if req.sent_at < START + 3.0:
+            st["sid"], st["last_ok"] = _sid(req), req.sent_at
+            return False
+        return _sid(req) == st["sid"]
+
+    def plan() -> None:
+        deadline = float(str(st["last_ok"])) + ttl - margin
+        st["from"] = deadline
+        w.say(f"scenario: t0/s0's renewals are throttled; its deadline is {deadline - START:.3f}")
+        w.sched.at(deadline - 0.7, term)
+        w.sched.at(deadline + 0.001, lambda: w.say("scenario: t0/s0 is past its deadline"))
+
+    def term() -> None:
+        victims = [p for p in w.running_shards() if p.name.startswith("t1/s0")]
+        if not victims:
+            return
+        victim = victims[0]
+        st["victim_sid"] = victim.shard.session_id if victim.shard is not None else ""
+        cids = sorted(c for c, recs in w.checker.open.items() for r in recs if r.proc == victim.name)
+        w.say(f"scenario: SIGTERM {victim.name} holding {cids}")
+        w.term(victim, replace_after=60.0)
+
+    def judge() -> None:
+        if st["judged"] or not st["from"]:
+            return
+        st["judged"] = True
+        n, since = int(str(st["offers"])), w.vt.now - float(str(st["from"]))
+        w.say(f"scenario: t0/s0 sent {n} OFFER messages on ({st['receives']} receives) in {since:.2f} s "
+              f"without a live session")
+        if n > STORM_MAX_OFFERS:
+            w.checker.fail("offer_storm", f"t0/s0 sent {n} OFFER messages on ({st['receives']} receives) in "
+                                          f"{since:.2f} s without a live session")
+
+    def watch(req: Request) -> None:
+        if not req.proc.startswith("t0/s0") or not st["from"] or req.sent_at < float(str(st["from"])):
+            return
+        if st["judged"]:
+            return
+        if req.op == "SendMessageBatch" and '"OFFER"' in str(req.params.get("Entries")):
+            st["offers"] = int(str(st["offers"])) + len(req.params.get("Entries", []))
+        elif req.op == "ReceiveMessage":
+            st["receives"] = int(str(st["receives"])) + 1
+        elif req.op == "PutItem" and req.table == sessions and req.fault == "ok":
+            judge()
+
+    w.net.on_send.append(watch)
+    w.net.rule(renewal, "throttle", times=10_000)
+    w.net.rule(lambda r: _is(r, "PutItem", sessions, "t0/s0") and r.sent_at > START + 3.0, "throttle", times=5)
+    w.net.rule(lambda r: _is(r, "GetItem", sessions, "t0/s0") and bool(st["victim_sid"])
+               and _sid(r) == st["victim_sid"], "delay", times=1, delay_s=1.0)
+    w.sched.at(START + 3.0, plan)
+    w.sched.at(START + w.p.faults_until, judge)
+
+
+def _item_term_stall(p: Params) -> None:
+    """Item mode, the CI timings with a safety margin of 0.1 s (SPEC: the margin need only cover the clock skew,
+    here none), reconcile every 0.5 s."""
+    quiet(p)
+    fast(p, lease_mode="item", rebalance_s=0.0, max_connections_per_shard=700, safety_margin_s=0.1, reconcile_s=0.5)
+    p.tasks, p.shards_per_task = 2, 1
+    p.conns = max(p.conns, 8)
+    p.skews_ms = [0] * len(p.skews_ms)
+    p.index_lag_ms = (0, 5)
+    p.faults_until = max(p.faults_until, 16.0)
+
+
+def _item_term_stall_skew(p: Params) -> None:
+    """As ``item_term_stall`` with a margin of 0.4 s and the clocks 0.2 s apart each way (t0/s0 ahead, t1/s0
+    behind: a difference of the margin, as SPEC allows)."""
+    _item_term_stall(p)
+    p.cfg = config.replace(p.cfg, safety_margin_s=0.4)
+    p.skews_ms = [200, -200] * 32
+
+
+def _item_term_stall_setup(w: World) -> None:
+    """Item mode.  From START+5 s the renewals of one stream X of the shard holding the most streams are
+    throttled, so its item lease runs out: deadline D = the last good renewal's send + TTL - margin.  5 ms
+    before D, X's upstream stalls (no echo of a CLOSE) and the shard is SIGTERMed.  The item renewals and the
+    item fence loop end at ``stopping``; the release phase is bounded by ``max(0.5, D - now)`` = 0.5 s; its
+    ``quiesce`` finds X within its deadline and closes it politely, waiting for the echo: the socket stays open
+    until the phase times out, ~0.495 s past D.  A peer may claim X from its expiry + margin = D + 2 x margin
+    = D + 0.2 s (one_streamer_socket)."""
+    conns = w.cfg.aws.connections_table
+    ttl, margin = w.cfg.lease.lease_ttl_s, w.cfg.lease.safety_margin_s
+    st: dict[str, object] = {"victim": None, "cid": "", "last_ok": 0.0, "throttle": False}
+
+    def renewal(req: Request) -> bool:
+        victim = st["victim"]
+        if (victim is None or req.proc != victim.name or not _is(req, "UpdateItem", conns, "t")  # type: ignore[attr-defined]
+                or _cid(req) != st["cid"] or _expr(req) != "SET lease_expires_at_ms = :exp"):
+            return False
+        if not st["throttle"]:
+            st["last_ok"] = req.sent_at
+            return False
+        return True
+
+    def pick() -> None:
+        victim, cids = _victim(w)
+        if not cids:
+            return
+        st["victim"], st["cid"] = victim, cids[0]
+        w.say(f"scenario: {victim.name} holds {cids}; the renewals of {cids[0]} will be throttled")  # type: ignore[attr-defined]
+
+    def throttle() -> None:
+        if st["victim"] is None:
+            return
+        st["throttle"] = True
+        deadline = float(str(st["last_ok"])) + ttl - margin
+        w.say(f"scenario: {st['cid']}'s renewals throttled from now; its deadline is {deadline - START:.3f}")
+        w.sched.at(deadline - 0.005, term)
+
+    def term() -> None:
+        victim = st["victim"]
+        w.say(f"scenario: upstream of {st['cid']} stalls; SIGTERM {victim.name}")  # type: ignore[attr-defined]
+        w.ups.stall(str(st["cid"]))
+        w.term(victim, replace_after=60.0)  # type: ignore[arg-type]
+
+    w.net.rule(renewal, "throttle", times=10_000)
+    w.sched.at(START + 4.0, pick)
+    w.sched.at(START + 5.0, throttle)
+
+
+def _term_interrupt(w: World, step: str, action: str) -> None:
+    """SIGTERM at START+6 s to the shard holding the most streams; the moment its hand-over sends ``step`` (``loads``:
+    its read of peers' loads, after ``quiesce``; ``mark``: the offering mark; ``offers``: the OFFER messages) it is
+    ``action``ed: SIGKILLed (its supervisor expires its session and restarts it with that predecessor) or SIGSTOPped
+    for 2 x TTL.  Safety and end checks only."""
+    sessions = w.cfg.aws.sessions_table
+    st: dict[str, object] = {"victim": None, "done": False}
+
+    def term() -> None:
+        victim, cids = _victim(w)
+        st["victim"] = victim
+        w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
+        w.term(victim, replace_after=60.0)  # type: ignore[arg-type]
+
+    def hit(req: Request) -> bool:
+        if step == "loads":
+            return req.op == "BatchGetItem" and sessions in req.params.get("RequestItems", {})
+        if step == "mark":
+            return req.op == "UpdateItem" and req.table == sessions and "offering_at_ms" in _expr(req)
+        return req.op == "SendMessageBatch" and '"OFFER"' in str(req.params.get("Entries"))
+
+    def watch(req: Request) -> None:
+        victim = st["victim"]
+        if victim is None or st["done"] or req.proc != victim.name or not hit(req):  # type: ignore[attr-defined]
+            return
+        st["done"] = True
+        w.say(f"scenario: the stopping shard sends its {step}: {action} it")
+
+        def act() -> None:
+            if action == "kill":
+                victim.stop_requested = False  # type: ignore[attr-defined]
+                w.crash(victim)  # type: ignore[arg-type]
+            else:
+                w.pause(victim, 2 * w.cfg.lease.lease_ttl_s)  # type: ignore[arg-type]
+        w.sched.at(w.vt.now + 0.0005, act)
+
+    w.net.on_send.append(watch)
+    w.sched.at(START + 6.0, term)
+
+
+def _offer_token_stolen_setup(w: World) -> None:
+    """SIGTERM at START+6 s to the shard holding the most streams.  A process that may receive from the hints
+    queue (any shard's credentials, a DLQ redrive tool, an operator's ``aws sqs receive-message``) receives its
+    OFFER messages before the peers do and sends them again with the same session id and token, each
+    ``last_seq`` 40 past what the stopping shard offered (here: the bodies are rewritten on the wire, which is
+    what receive + delete + send amounts to).  The token is a bearer secret carried in every OFFER body (and
+    in every copy a peer sends on), so ``offers_open`` answers WITH_SEQ and the take writes the forged
+    ``last_seq`` into the item: the peer resumes after it (checkpoint_ahead; the skipped seqs are never
+    written: lost_seq)."""
+    st: dict[str, object] = {"victim": ""}
+
+    def term() -> None:
+        victim, cids = _victim(w)
+        st["victim"] = victim.name  # type: ignore[attr-defined]
+        w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
+        w.term(victim, replace_after=60.0)  # type: ignore[arg-type]
+
+    def forge(req: Request) -> None:
+        if req.op != "SendMessageBatch" or req.proc != st["victim"]:
+            return
+        for e in req.params.get("Entries", []):
+            body = json.loads(str(e.get("MessageBody", "")))
+            if body.get("type") != "OFFER":
+                continue
+            body["offers"] = [[c, ep, seq + FORGED_AHEAD] for c, ep, seq in body["offers"]]
+            e["MessageBody"] = json.dumps(body)
+            w.say(f"scenario: OFFER replaced on the wire, same token: {e['MessageBody'][:160]}")
+
+    w.net.on_send.insert(0, forge)
+    w.sched.at(START + 6.0, term)
+
+
+def _term_fence_midway(w: World, before_s: float) -> None:
+    """t1/s0's renewals are throttled from START+4 s: its fence deadline D falls during its shutdown, SIGTERMed
+    ``before_s`` before D (the fence loop, running until ``finish``, fences and tombstones the session in the middle
+    of the hand-over or the release).  t0/s0's reads of the mark and its takes are answered 0.6 s late, so the takes
+    race the fence, the tombstone and t0/s0's own dead-session takeover.  Safety and end checks only."""
+    sessions, conns = w.cfg.aws.sessions_table, w.cfg.aws.connections_table
+    ttl, margin = w.cfg.lease.lease_ttl_s, w.cfg.lease.safety_margin_s
+    st: dict[str, object] = {"sid": "", "last_ok": 0.0}
+
+    def renewal(req: Request) -> bool:
+        if not (_is(req, "UpdateItem", sessions, "t1/s0") and "expires_at_ms = :exp" in _expr(req)):
+            return False
+        if req.sent_at < START + 4.0:
+            st["sid"], st["last_ok"] = _sid(req), req.sent_at
+            return False
+        return _sid(req) == st["sid"]
+
+    def plan() -> None:
+        deadline = float(str(st["last_ok"])) + ttl - margin
+        w.say(f"scenario: t1/s0's renewals throttled; deadline {deadline - START:.3f}; SIGTERM {before_s} s before")
+        w.sched.at(deadline - before_s, term)
+
+    def term() -> None:
+        victims = [p for p in w.running_shards() if p.name.startswith("t1/s0")]
+        if victims:
+            w.term(victims[0], replace_after=60.0)
+
+    w.net.rule(renewal, "throttle", times=10_000)
+    w.net.rule(lambda r: r.proc.startswith("t0/s0") and r.sent_at > START + 4.0
+               and ((r.op == "GetItem" and r.table == sessions and _sid(r) == st["sid"])
+                    or (r.op == "UpdateItem" and r.table == conns and ":from" in _values(r))),
+               "delay", times=10_000, delay_s=0.6)
+    w.sched.at(START + 4.0, plan)
+
+
+def _three_tasks(p: Params) -> None:
+    _term_handoff(p)
+    p.tasks = 3
+
+
+def _term_receiver_term_setup(w: World) -> None:
+    """SIGTERM at START+6 s to the shard holding the most streams; the first peer that sends a take of its offers
+    is SIGTERMed at that moment (its takes land after its ``stopping``: won too late, given back with hints) and
+    the third shard picks them up.  Both are replaced 1 s later.  Safety and end checks only."""
+    conns = w.cfg.aws.connections_table
+    st: dict[str, object] = {"victim": "", "second": False}
+
+    def term() -> None:
+        victim, cids = _victim(w)
+        st["victim"] = victim.name  # type: ignore[attr-defined]
+        w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
+        w.term(victim, replace_after=1.0)  # type: ignore[arg-type]
+
+    def watch(req: Request) -> None:
+        if (st["second"] or not st["victim"] or req.proc == st["victim"] or req.op != "UpdateItem"
+                or req.table != conns or ":from" not in _values(req)):
+            return
+        st["second"] = True
+        procs = [p for p in w.running_shards() if p.name == req.proc]
+        if procs:
+            w.say(f"scenario: {req.proc} takes an offer: SIGTERM it")
+            w.term(procs[0], replace_after=1.0)
+
+    w.net.on_send.append(watch)
+    w.sched.at(START + 6.0, term)
+
+
+def _offer_old_sender_setup(w: World) -> None:
+    """A rolling deploy from 7f27644 (offers without a token) to cec7611: ``term_handoff`` (SIGTERM at START+6 s,
+    judged at ``HANDOFF_S``), where the SIGTERMed shard runs the previous release, whose OFFER bodies carry no
+    ``token`` (``offer_body(session_id, offers)``) and whose mark is ``SET offering_at_ms`` alone: emulated here by
+    dropping the token from its OFFER bodies on the wire (a receiver then reads the same thing: a live session with
+    no matching token).  The new receivers answer ``offers_open`` NO for every one of them (alive, no token),
+    refuse and delete the messages; the streams wait out ``OFFER_WAIT_S`` and the release phase
+    (``handoff_slow``) on every SIGTERM of the deploy."""
+    st: dict[str, object] = {"victim": ""}
+
+    def term() -> None:
+        victim, cids = _victim(w)
+        st["victim"] = victim.name  # type: ignore[attr-defined]
+        w.say(f"scenario: SIGTERM {victim.name} (previous release) holding {cids}")  # type: ignore[attr-defined]
+        w.term(victim, replace_after=60.0)  # type: ignore[arg-type]
+        _judge_resumed(w, "handoff_slow", cids, HANDOFF_S, w.vt.now)
+
+    def old(req: Request) -> None:
+        if req.op != "SendMessageBatch" or req.proc != st["victim"]:
+            return
+        for e in req.params.get("Entries", []):
+            body = json.loads(str(e.get("MessageBody", "")))
+            if body.get("type") == "OFFER":
+                body.pop("token", None)
+                e["MessageBody"] = json.dumps(body)
+
+    w.net.on_send.insert(0, old)
+    w.sched.at(START + 6.0, term)
+
+
+def _task_term(p: Params) -> None:
+    _term_handoff(p)
+    p.tasks, p.shards_per_task = 2, 2
+
+
+def _task_term_setup(w: World) -> None:
+    """A deploy's SIGTERM as the supervisor sends it: every shard of the task holding the most streams at once
+    (START+6 s); its streams must be streamed again by the other task's shards within ``HANDOFF_S``."""
+    def term() -> None:
+        shards = w.running_shards()
+        held = {p.name: sorted(c for c, recs in w.checker.open.items() for r in recs if r.proc == p.name)
+                for p in shards}
+        by_task: dict[str, list[str]] = {}
+        for p in shards:
+            by_task.setdefault(p.task.task_id if p.task else "", []).extend(held[p.name])
+        task = max(sorted(by_task), key=lambda t: len(by_task[t]))
+        w.say(f"scenario: SIGTERM every shard of {task}, holding {sorted(by_task[task])}")
+        for p in shards:
+            if p.task is not None and p.task.task_id == task:
+                w.term(p, replace_after=60.0)
+        _judge_resumed(w, "handoff_slow", sorted(by_task[task]), HANDOFF_S, w.vt.now)
+
+    w.sched.at(START + 6.0, term)
+
+
+def _term_hedge_skew(at: float, slow: bool = False) -> Callable[[World], None]:
+    """``renew_hedge_skew`` (default session timings, skew 0.99 s each way, t0/s0's renewals lost / 3 s late /
+    applied again out of order, all throttled from START+12 s to START+17 s), and t0/s0 SIGTERMed at ``at``
+    (its renewals and fence loop run through its 20 s shutdown budget).  With ``slow``, every take of its offers
+    is throttled, and so are its own writes to the connections table for 6 s from the SIGTERM: its release phase
+    retries through its fence deadline.  Safety and end checks only."""
+    def setup(w: World) -> None:
+        _renew_hedge_skew_setup(w)
+        conns = w.cfg.aws.connections_table
+        if slow:
+            w.net.rule(lambda r: _is(r, "UpdateItem", conns, "t1/") and ":from" in _values(r), "throttle",
+                       times=10_000)
+            w.net.rule(lambda r: _is(r, "UpdateItem", conns, "t0/s0") and START + at <= r.sent_at < START + at + 6.0,
+                       "throttle", times=10_000)
+
+        def term() -> None:
+            procs = [p for p in w.running_shards() if p.name.startswith("t0/s0")]
+            if procs:
+                cids = sorted(c for c, recs in w.checker.open.items() for r in recs if r.proc == procs[0].name)
+                w.say(f"scenario: SIGTERM {procs[0].name} holding {cids}")
+                w.term(procs[0], replace_after=60.0)
+        w.sched.at(START + at, term)
+    return setup
+
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("calm", "no request faults and no lifecycle events", calm),
     Scenario("unsafe_skew", "one shard's clock far beyond safety_margin_s (SPEC: voids the guarantee)", _unsafe_skew),
@@ -959,6 +1371,58 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              _term_handoff, _term_pause_slow_setup),
     Scenario("term_pause_fixed", "review: as term_pause, the SIGSTOP 5 ms after the SIGTERM",
              _term_handoff, _term_pause_fixed_setup),
+    Scenario("term_stall", "review 2: one upstream of the SIGTERMed shard stalls (no CLOSE echo) just before",
+             _term_handoff, _term_stall_setup),
+    Scenario("term_stall_defaults", "review 2: term_stall, default session timings (6 / 1.5 / 2 s, budget 20 s)",
+             _term_handoff_defaults, _term_stall_setup),
+    Scenario("offer_storm", "review 2: a peer without a live session sends every OFFER it receives on, in a loop",
+             _term_handoff, _offer_storm_setup),
+    Scenario("item_term_stall", "review 2: item mode, margin 0.1 s: a stalled stream near its item deadline at SIGTERM",
+             _item_term_stall, _item_term_stall_setup),
+    Scenario("item_term_stall_skew", "review 2: item_term_stall, margin 0.4 s, clocks 0.2 s ahead / behind",
+             _item_term_stall_skew, _item_term_stall_setup),
+    Scenario("offer_token_stolen", "review 2: a queue reader re-sends the OFFERs with their token, last_seq + 40",
+             _term_handoff, _offer_token_stolen_setup),
+    Scenario("offer_old_sender", "review 2: rolling deploy, the stopper runs 7f27644 (OFFERs without a token)",
+             _term_handoff, _offer_old_sender_setup),
+    Scenario("task_term", "review 2: a task's SIGTERM reaches both its shards at once (2 tasks x 2 shards)",
+             _task_term, _task_term_setup),
+    Scenario("term_hedge_skew_8", "review 2 (holds): renew_hedge_skew, t0/s0 SIGTERMed at START+8.0 s",
+             _renew_hedge_skew, _term_hedge_skew(8.0)),
+    Scenario("term_hedge_skew_11", "review 2 (holds): renew_hedge_skew, t0/s0 SIGTERMed at START+11.0 s",
+             _renew_hedge_skew, _term_hedge_skew(11.0)),
+    Scenario("term_hedge_skew_13", "review 2 (holds): renew_hedge_skew, t0/s0 SIGTERMed at START+13.0 s",
+             _renew_hedge_skew, _term_hedge_skew(13.0)),
+    Scenario("term_hedge_slow_8", "review 2 (holds): term_hedge_skew_8, takes and its releases throttled",
+             _renew_hedge_skew, _term_hedge_skew(8.0, slow=True)),
+    Scenario("term_hedge_slow_11", "review 2 (holds): term_hedge_skew_11, takes and its releases throttled",
+             _renew_hedge_skew, _term_hedge_skew(11.0, slow=True)),
+    Scenario("term_hedge_slow_13", "review 2 (holds): term_hedge_skew_13, takes and its releases throttled",
+             _renew_hedge_skew, _term_hedge_skew(13.0, slow=True)),
+    Scenario("term_receiver_term", "review 2 (holds): the peer taking the offers is SIGTERMed at its first take",
+             _three_tasks, _term_receiver_term_setup),
+    Scenario("term_fence_005", "review 2 (holds): the fence deadline 0.05 s after the SIGTERM, takes answered late",
+             _term_handoff, lambda w: _term_fence_midway(w, 0.05)),
+    Scenario("term_fence_03", "review 2 (holds): the fence deadline 0.3 s after the SIGTERM, takes answered late",
+             _term_handoff, lambda w: _term_fence_midway(w, 0.3)),
+    Scenario("term_fence_06", "review 2 (holds): the fence deadline 0.6 s after the SIGTERM, takes answered late",
+             _term_handoff, lambda w: _term_fence_midway(w, 0.6)),
+    Scenario("term_fence_12", "review 2 (holds): the fence deadline 1.2 s after the SIGTERM, takes answered late",
+             _term_handoff, lambda w: _term_fence_midway(w, 1.2)),
+    Scenario("term_fence_20", "review 2 (holds): the fence deadline 2.0 s after the SIGTERM, takes answered late",
+             _term_handoff, lambda w: _term_fence_midway(w, 2.0)),
+    Scenario("term_kill_loads", "review 2 (holds): SIGTERM, then kill as the hand-over sends its loads",
+             _term_handoff, lambda w: _term_interrupt(w, "loads", "kill")),
+    Scenario("term_pause_loads", "review 2 (holds): SIGTERM, then pause as the hand-over sends its loads",
+             _term_handoff, lambda w: _term_interrupt(w, "loads", "pause")),
+    Scenario("term_kill_mark", "review 2 (holds): SIGTERM, then kill as the hand-over sends its mark",
+             _term_handoff, lambda w: _term_interrupt(w, "mark", "kill")),
+    Scenario("term_pause_mark", "review 2 (holds): SIGTERM, then pause as the hand-over sends its mark",
+             _term_handoff, lambda w: _term_interrupt(w, "mark", "pause")),
+    Scenario("term_kill_offers", "review 2 (holds): SIGTERM, then kill as the hand-over sends its offers",
+             _term_handoff, lambda w: _term_interrupt(w, "offers", "kill")),
+    Scenario("term_pause_offers", "review 2 (holds): SIGTERM, then pause as the hand-over sends its offers",
+             _term_handoff, lambda w: _term_interrupt(w, "offers", "pause")),
 )}
 
 
