@@ -67,6 +67,7 @@ class Handoff:
             if cid in taken:
                 self.holdings.forget(cid, h, "offer_taken")
         self.ctx.stats.inc("handoff_total", float(len(taken)), result="taken")
+        self.ctx.stats.inc("handoff_total", float(len(offers) - len(taken)), result="released")
         log.info("streams offered to peers", extra={"offered": len(offers), "taken": len(taken)})
 
     async def _peer_with_room(self, me: str) -> bool:

@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 # Fences of our own making: the lease could not be confirmed in time (the others are a lease known lost,
 # or an item deleted).  A tenure records them as an event before it ends.
 SELF_FENCES = frozenset({"self_fence", "send_deadline"})
+# A stream changing hands waits this long for its upstream's echo of our CLOSE, then drops the socket: the
+# echo takes milliseconds, and one stalled upstream must not hold back every other stream's hand-over.
+QUIESCE_CLOSE_S = 0.25
 
 
 @dataclass(slots=True)
@@ -264,7 +267,7 @@ class Holdings:
         for _, h in entries:
             if h.conn is not None and not self._within_deadline(h, now):
                 h.conn.fence()
-        await asyncio.gather(*(h.conn.close() for _, h in entries if h.conn is not None))
+        await asyncio.gather(*(h.conn.close(QUIESCE_CLOSE_S) for _, h in entries if h.conn is not None))
         phase_s = min(5.0, self.ctx.cfg.runtime.shutdown_budget_s / 4)
         await self.ctx.sink.wait_durable(self.ctx.sink_ddb, [h.cursor for _, h in entries], timeout_s=phase_s)
         # Nothing more is written for them once the write that hands them on may be sent: what is not

@@ -136,7 +136,7 @@ class Inbox:
         # Concurrently: a peer handing over 1,000 streams hints them a hundred at a time.
         await bounded(todo.claims, self.ctx.cfg.lease.claim_concurrency,
                       lambda cid: self.claimer.claim(cid, source="hint"))
-        todo.leftover_offers += await self._take_offers(todo.offers)
+        await self._take_offers(todo.offers)
         if len(hints) >= BURST:
             # A full receive means a burst (a peer released its streams): the reconcile's index query
             # picks up in bulk what the hints still queued name.
@@ -153,15 +153,14 @@ class Inbox:
             await self.recheck(todo.ours)
         return True
 
-    async def _take_offers(self, offers: list[Offered]) -> list[Offered]:
+    async def _take_offers(self, offers: list[Offered]) -> None:
         """Take offers of sessions whose offers are open (their mark read consistently, once per session):
-        an offer alone never takes a stream its session might still stream.  Returns what we did not try
-        (unreadable session, no room, no live session), to offer on to peers."""
-        untried: list[Offered] = []
+        an offer alone never takes a stream its session might still stream.  An offer we could not use
+        (its session unreadable, no live session of ours) is not sent on: a shard in that state would
+        receive it back at once, and the stopper releases what nobody took."""
         for (sid, token), mine in _by_session(offers).items():
             state = await self.ctx.leases.offers_open(sid, token)
             if state is OffersOpen.UNKNOWN:
-                untried += [Offered(sid, token, o) for o in mine]
                 continue
             if state is OffersOpen.NO:
                 self.ctx.stats.inc("hints_total", float(len(mine)), kind="offer_refused")
@@ -170,9 +169,7 @@ class Inbox:
                 continue
             # A dead session's offer without its mark proves no resume point: resume from the item's own.
             take = functools.partial(self._take, sid, state is OffersOpen.WITH_SEQ)
-            results = await bounded(mine, self.ctx.cfg.lease.claim_concurrency, take)
-            untried += [Offered(sid, token, o) for o, r in zip(mine, results, strict=True) if r is None]
-        return untried
+            await bounded(mine, self.ctx.cfg.lease.claim_concurrency, take)
 
     async def _take(self, offered_by: str, with_seq: bool, offer: Offer) -> Outcome | None:
         return await self.claimer.take(offer if with_seq else replace(offer, last_seq=-1), offered_by)

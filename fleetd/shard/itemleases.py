@@ -64,8 +64,9 @@ class ItemLeases:
             self.holdings.fence(cid, "renewal_lost")
 
     async def _fence_loop(self) -> None:
-        """Watchdog: fence each item at its deadline, however long its renewal hangs."""
-        while not await wait(self.ctx.stopping, self._until_next_check()):
+        """Watchdog: fence each item at its deadline, however long its renewal hangs; through the shutdown
+        too (until the session keeper's ``finished``), since item leases are not renewed once stopping."""
+        while not await wait(self.session.finished, self._until_next_check()):
             await self._fence_expired()  # unguarded, as the session's fence loop: a failed fence ends the shard
 
     async def _fence_expired(self) -> None:

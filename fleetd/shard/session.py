@@ -308,8 +308,13 @@ class SessionKeeper:
         await self.ctx.leases.mark_draining(self.state.session_id)
 
     def finish(self) -> None:
-        """The shutdown holds no stream any more: the heartbeat and the fence loop end (idempotent)."""
+        """The shutdown holds no stream any more: the heartbeat and the fence loops end (idempotent)."""
         self._finished.set()
+
+    @property
+    def finished(self) -> asyncio.Event:
+        """Set once the shutdown is done with every stream: the fence loops wait on it, not on ``stopping``."""
+        return self._finished
 
     async def end(self) -> None:
         """Expire our session now: peers take over at once whatever we could not release.  Renewing ends
