@@ -49,6 +49,16 @@ DESCRIPTIONS = {
         "SIGTERMed: its streams must reach peers through their reconcile scans (no hints can be "
         "delivered) with the default 20 s lease TTL, so a takeover through lease expiry would show "
         "as ≥ 20 s. Recovery is counted from the SIGTERM."),
+    "one_second_latency": (
+        "At the product's session timings (TTL 6 s, heartbeat 1.5 s, margin 2 s, 5 s AWS timeout), every "
+        "DynamoDB call of every shard is answered 1 s late. No shard may give its session up (a second "
+        "session, a self-fence or a lost session fails the trial)."),
+    "lost_answers": (
+        "At the product's session timings, 30 % of all DynamoDB calls are applied and their answers lost "
+        "(half a 500, half a reset connection). No shard may give its session up."),
+    "stalls": (
+        "At the product's session timings, DynamoDB stalls for 2 s at a time (every request held, then "
+        "applied and answered), 1–3 s apart. No shard may give its session up."),
 }
 GENERIC = "Recorded by the fault suite in `tests/faults` (see the recording test's docstring)."
 # What the duration fields (``…_s``) of the records measure; unknown ones are listed without a note.
