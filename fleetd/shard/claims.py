@@ -84,6 +84,10 @@ class Claimer:
         except Exception as e:  # the orphan sweep or the dead session's takeover frees it later
             log.warning("could not give back a late claim", extra={"connection_id": cid, "error": repr(e)})
 
+    def may_claim(self) -> bool:
+        """A claim could be tried now (a live session, not stopping)."""
+        return self.session.may_claim()
+
     def skipped(self, cid: str) -> bool:
         until = self._unclaimable.get(cid)
         return until is not None and self.ctx.clock.monotonic() < until

@@ -108,8 +108,10 @@ class Inbox:
             if self.ctx.is_stopping():
                 await self._closed.wait()  # no new polls once stopping
                 return
-            if self.holdings.free_capacity() <= 0:
-                await wait(self.ctx.stopping, 1.0)  # full: leave hints for peers
+            if self.holdings.free_capacity() <= 0 or not self.claimer.may_claim():
+                # Full, or no live session (being replaced): leave hints for peers rather than take and
+                # drop them (a received hint we cannot use would come straight back to us).
+                await wait(self.ctx.stopping, 1.0)
                 continue
             if not await self._guard.run(self._poll, False):  # failed: wait before polling again
                 await wait(self._closed, 2.0)
