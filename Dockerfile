@@ -45,7 +45,7 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 
 # Offline install from stage 1's wheels only (--no-index): the runtime image never talks to PyPI.
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    pip install --no-index --find-links=/wheels "fleetd[otel]" \
+    pip install --no-index --find-links=/wheels "$(echo /wheels/fleetd-*.whl)[otel]" \
     && groupadd --system --gid 10001 fleetd \
     && useradd --system --uid 10001 --gid fleetd --no-create-home --home-dir /nonexistent \
        --shell /usr/sbin/nologin fleetd
