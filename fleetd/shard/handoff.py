@@ -30,6 +30,7 @@ from fleetd.shard.session import SessionKeeper
 
 log = logging.getLogger(__name__)
 OFFER_WAIT_S = 2.0  # peers take offers within milliseconds of their long poll; the rest is released
+OFFER_SEND_S = 1.0  # SQS answers a send in milliseconds: past this it is down, and releasing is faster
 OFFER_POLL_S = 0.2  # how often we read which offers were taken (BatchGetItem, a read per 100 streams)
 SAMPLE = 10  # live sessions sampled for a peer with room
 
@@ -61,7 +62,8 @@ class Handoff:
         if outcome is not Outcome.WON:
             return  # without the mark peers refuse offers: the release phase hands everything on
         offers = {cid: Offer(cid, h.epoch, h.cursor.last_seq) for cid, h in offered}
-        await self.ctx.hints.send_offers(me, token, list(offers.values()))
+        if not await self._send(me, token, list(offers.values())):
+            return  # SQS unreachable: nobody hears of the offers; the release phase hands everything on
         taken = await self._wait_taken(me, offers)
         for cid, h in offered:
             if cid in taken:
@@ -69,6 +71,14 @@ class Handoff:
         self.ctx.stats.inc("handoff_total", float(len(taken)), result="taken")
         self.ctx.stats.inc("handoff_total", float(len(offers) - len(taken)), result="released")
         log.info("streams offered to peers", extra={"offered": len(offers), "taken": len(taken)})
+
+    async def _send(self, me: str, token: str, offers: list[Offer]) -> bool:
+        """Send the offers within ``OFFER_SEND_S``; False when none went out (then waiting is pointless)."""
+        try:
+            return await asyncio.wait_for(self.ctx.hints.send_offers(me, token, offers), OFFER_SEND_S) > 0
+        except TimeoutError:
+            log.info("offers not sent in time; releasing instead", extra={"count": len(offers)})
+            return False
 
     async def _peer_with_room(self, me: str) -> bool:
         try:
