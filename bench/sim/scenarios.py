@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from bench.sim.net import FaultMix, Request
-from bench.sim.world import FAST, START, Params, SimClock, World
+from bench.sim.world import FAST, START, Params, Proc, SimClock, World
 from fleetd import config, items
 from fleetd.lease import LeaseStore
 
@@ -555,13 +555,21 @@ def _term_handoff_setup(w: World) -> None:
 # ----- adversarial review of f7386cd..287fc49 (renewals, hedged heartbeat, SIGTERM offers) ---------------
 
 
-def _victim(w: World) -> tuple[object, list[str]]:
+def _victim(w: World) -> tuple[Proc, list[str]]:
     """The running shard holding the most streams, and those streams."""
     shards = w.running_shards()
     held = {p.name: sorted(cid for cid, recs in w.checker.open.items() for r in recs if r.proc == p.name)
             for p in shards}
     victim = max(shards, key=lambda p: (len(held[p.name]), p.name))
     return victim, held[victim.name]
+
+
+def _sigterm_busiest(w: World, replace_after: float, what: str = "SIGTERM") -> tuple[Proc, list[str]]:
+    """SIGTERM the running shard holding the most streams (replaced ``replace_after`` later); it and its streams."""
+    victim, cids = _victim(w)
+    w.say(f"scenario: {what} {victim.name} holding {cids}")
+    w.term(victim, replace_after=replace_after)
+    return victim, cids
 
 
 def _term_pause_setup(w: World) -> None:
@@ -577,10 +585,8 @@ def _term_pause_setup(w: World) -> None:
     st: dict[str, object] = {"victim": None, "paused": False}
 
     def term() -> None:
-        victim, cids = _victim(w)
+        victim, _ = _sigterm_busiest(w, 60.0)
         st["victim"] = victim
-        w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
-        w.term(victim, replace_after=60.0)  # type: ignore[arg-type]
 
     def watch(req: Request) -> None:
         victim = st["victim"]
@@ -599,10 +605,8 @@ def _term_pause_fixed_setup(w: World) -> None:
     """As ``term_pause``, but the SIGSTOP comes at a fixed 5 ms after the SIGTERM (for comparison with the
     shutdown before 287fc49, which had closed its sockets 2 ms after the SIGTERM)."""
     def term() -> None:
-        victim, cids = _victim(w)
-        w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
-        w.term(victim, replace_after=60.0)  # type: ignore[arg-type]
-        w.sched.at(w.vt.now + 0.005, lambda: w.pause(victim, 2 * w.cfg.lease.lease_ttl_s))  # type: ignore[arg-type]
+        victim, _ = _sigterm_busiest(w, 60.0)
+        w.sched.at(w.vt.now + 0.005, lambda: w.pause(victim, 2 * w.cfg.lease.lease_ttl_s))
     w.sched.at(START + 6.0, term)
 
 
@@ -631,9 +635,7 @@ def _term_fuzz_setup(w: World) -> None:
     """SIGTERM the busiest shard at START+3 s and again at START+7 s (replaced 1 s later), under the seed's faults."""
     def term() -> None:
         if len(w.running_shards()) > 1:
-            victim, cids = _victim(w)
-            w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
-            w.term(victim, replace_after=1.0)  # type: ignore[arg-type]
+            _sigterm_busiest(w, 1.0)
     w.sched.at(START + 3.0, term)
     w.sched.at(START + 7.0, term)
 
@@ -655,9 +657,9 @@ def _forged_offer_setup(w: World) -> None:
 
     def crash() -> None:
         victim, cids = _victim(w)
-        sid = victim.shard.session_id  # type: ignore[attr-defined]
-        w.say(f"scenario: {victim.name} (session {sid}) crashes holding {cids}; buried, not restarted")  # type: ignore[attr-defined]
-        w.crash(victim, restart=False)  # type: ignore[arg-type]
+        sid = victim.shard.session_id if victim.shard is not None else ""
+        w.say(f"scenario: {victim.name} (session {sid}) crashes holding {cids}; buried, not restarted")
+        w.crash(victim, restart=False)
         assert w.ctl is not None and w.ctl.clients is not None
         clients = w.ctl.clients
 
@@ -756,10 +758,8 @@ def _offer_replay_setup(w: World) -> None:
     st: dict[str, object] = {"victim": ""}
 
     def term() -> None:
-        victim, cids = _victim(w)
-        st["victim"] = victim.name  # type: ignore[attr-defined]
-        w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
-        w.term(victim, replace_after=1.0)  # type: ignore[arg-type]
+        victim, _ = _sigterm_busiest(w, 1.0)
+        st["victim"] = victim.name
 
     def watch(req: Request) -> None:
         if req.op != "SendMessageBatch" or req.proc != st["victim"]:
@@ -783,9 +783,7 @@ def _offer_replay_setup(w: World) -> None:
 
     def second() -> None:
         if len(w.running_shards()) > 1:
-            victim, cids = _victim(w)
-            w.say(f"scenario: second SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
-            w.term(victim, replace_after=60.0)  # type: ignore[arg-type]
+            _sigterm_busiest(w, 60.0, "second SIGTERM")
 
     w.net.on_send.append(watch)
     w.sched.at(START + 6.0, term)
@@ -801,10 +799,8 @@ def _offer_window_ctl_setup(w: World) -> None:
     st: dict[str, object] = {"victim": "", "cids": [], "done": False}
 
     def term() -> None:
-        victim, cids = _victim(w)
-        st["victim"], st["cids"] = victim.name, cids  # type: ignore[attr-defined]
-        w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
-        w.term(victim, replace_after=60.0)  # type: ignore[arg-type]
+        victim, cids = _sigterm_busiest(w, 60.0)
+        st["victim"], st["cids"] = victim.name, cids
 
     def watch(req: Request) -> None:
         if (st["done"] or req.proc != st["victim"] or req.op != "UpdateItem" or req.table != sessions
@@ -844,9 +840,7 @@ def _take_lost_setup(w: World) -> None:
                and r.attempt == 1 and r.fault == "ok", "dup", times=1000, delay_s=2.5)
 
     def term() -> None:
-        victim, cids = _victim(w)
-        w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
-        w.term(victim, replace_after=60.0)  # type: ignore[arg-type]
+        _sigterm_busiest(w, 60.0)
     w.sched.at(START + 6.0, term)
 
 
@@ -902,11 +896,9 @@ def _term_pause_slow_setup(w: World) -> None:
     st: dict[str, object] = {"victim": ""}
 
     def term() -> None:
-        victim, cids = _victim(w)
-        st["victim"] = victim.name  # type: ignore[attr-defined]
-        w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
-        w.term(victim, replace_after=60.0)  # type: ignore[arg-type]
-        w.sched.at(w.vt.now + 0.3, lambda: w.pause(victim, 2 * w.cfg.lease.lease_ttl_s))  # type: ignore[arg-type]
+        victim, _ = _sigterm_busiest(w, 60.0)
+        st["victim"] = victim.name
+        w.sched.at(w.vt.now + 0.3, lambda: w.pause(victim, 2 * w.cfg.lease.lease_ttl_s))
 
     w.net.rule(lambda r: r.proc == st["victim"] and r.op == "Query" and r.table == sessions and r.attempt < 3,
                "throttle", times=2)
@@ -952,9 +944,7 @@ def _term_stall_setup(w: World) -> None:
         w.ups.stall(cids[0])
 
     def term() -> None:
-        victim, cids = _victim(w)
-        w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
-        w.term(victim, replace_after=60.0)  # type: ignore[arg-type]
+        _, cids = _sigterm_busiest(w, 60.0)
         healthy = cids[1:]
         _judge_resumed(w, "handoff_slow", healthy, HANDOFF_S, w.vt.now)
         _judge_resumed(w, "handoff_stalled", healthy, 3.0, w.vt.now)
@@ -1085,7 +1075,7 @@ def _item_term_stall_setup(w: World) -> None:
         if not cids:
             return
         st["victim"], st["cid"] = victim, cids[0]
-        w.say(f"scenario: {victim.name} holds {cids}; the renewals of {cids[0]} will be throttled")  # type: ignore[attr-defined]
+        w.say(f"scenario: {victim.name} holds {cids}; the renewals of {cids[0]} will be throttled")
 
     def throttle() -> None:
         if st["victim"] is None:
@@ -1115,10 +1105,8 @@ def _term_interrupt(w: World, step: str, action: str) -> None:
     st: dict[str, object] = {"victim": None, "done": False}
 
     def term() -> None:
-        victim, cids = _victim(w)
+        victim, _ = _sigterm_busiest(w, 60.0)
         st["victim"] = victim
-        w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
-        w.term(victim, replace_after=60.0)  # type: ignore[arg-type]
 
     def hit(req: Request) -> bool:
         if step == "loads":
@@ -1158,10 +1146,8 @@ def _offer_token_stolen_setup(w: World) -> None:
     st: dict[str, object] = {"victim": ""}
 
     def term() -> None:
-        victim, cids = _victim(w)
-        st["victim"] = victim.name  # type: ignore[attr-defined]
-        w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
-        w.term(victim, replace_after=60.0)  # type: ignore[arg-type]
+        victim, _ = _sigterm_busiest(w, 60.0)
+        st["victim"] = victim.name
 
     def forge(req: Request) -> None:
         if req.op != "SendMessageBatch" or req.proc != st["victim"]:
@@ -1226,10 +1212,8 @@ def _term_receiver_term_setup(w: World) -> None:
     st: dict[str, object] = {"victim": "", "second": False}
 
     def term() -> None:
-        victim, cids = _victim(w)
-        st["victim"] = victim.name  # type: ignore[attr-defined]
-        w.say(f"scenario: SIGTERM {victim.name} holding {cids}")  # type: ignore[attr-defined]
-        w.term(victim, replace_after=1.0)  # type: ignore[arg-type]
+        victim, _ = _sigterm_busiest(w, 1.0)
+        st["victim"] = victim.name
 
     def watch(req: Request) -> None:
         if (st["second"] or not st["victim"] or req.proc == st["victim"] or req.op != "UpdateItem"
@@ -1257,9 +1241,9 @@ def _offer_old_sender_setup(w: World) -> None:
 
     def term() -> None:
         victim, cids = _victim(w)
-        st["victim"] = victim.name  # type: ignore[attr-defined]
-        w.say(f"scenario: SIGTERM {victim.name} (previous release) holding {cids}")  # type: ignore[attr-defined]
-        w.term(victim, replace_after=60.0)  # type: ignore[arg-type]
+        st["victim"] = victim.name
+        w.say(f"scenario: SIGTERM {victim.name} (previous release) holding {cids}")
+        w.term(victim, replace_after=60.0)
         _judge_resumed(w, "handoff_slow", cids, HANDOFF_S, w.vt.now)
 
     def old(req: Request) -> None:
