@@ -103,11 +103,9 @@ class Handoff:
                 continue
             now_taken = {cid for cid in waiting if cid in states and _taken(states[cid], me, offers[cid])}
             taken |= now_taken
-            waiting -= now_taken | {cid for cid in waiting if _untakeable(states.get(cid, _UNREAD))}
+            # An item the read did not return (unparseable) is still waited for.
+            waiting -= now_taken | {cid for cid in waiting if cid in states and _untakeable(states[cid])}
         return taken
-
-
-_UNREAD = ConnItem("", "", STARTED, "", 0, 0, -1)  # an item the read did not return: still waited for
 
 
 def _taken(item: ConnItem | None, me: str, offer: Offer) -> bool:
